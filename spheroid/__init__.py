@@ -1,0 +1,3 @@
+"""spheroid: decentralised training and serving of BlockTrain byte-level language models."""
+
+__version__ = "0.1.0"

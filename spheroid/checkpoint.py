@@ -1,0 +1,153 @@
+"""Checkpoints: one safetensors file per block (or the reference) with a JSON record beside it.
+
+A checkpoint folder holds `block-<b>.safetensors` + `block-<b>.json` for each block and optionally
+`reference.safetensors` + `reference.json`. The JSON holds the full run configuration (model, noise,
+codebook seed, training), the training state and the sha256 of the weights file. Files are written
+atomically (temp file, fsync, rename; the JSON last, as the commit point) and verified on load, so a
+crash mid-write leaves the previous checkpoint loadable and a damaged file is refused, never loaded.
+No pickle: safetensors holds only tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from .config import RunConfig
+
+FORMAT = "spheroid-checkpoint/1"
+
+
+class CheckpointError(Exception):
+    """A checkpoint is missing, incomplete, damaged or inconsistent."""
+
+
+@dataclass
+class Entry:
+    """One module in a checkpoint folder: its weights, configuration and training state."""
+
+    name: str
+    config: RunConfig
+    state: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+
+
+def block_name(block: int) -> str:
+    return f"block-{block}"
+
+
+REFERENCE = "reference"
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write data to path so that readers see either the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save(folder: str | os.PathLike, name: str, module: torch.nn.Module, config: RunConfig,
+         state: dict[str, Any]) -> Path:
+    """Save a module's weights and record; returns the JSON path."""
+    folder = Path(folder)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    blob = save_safetensors(tensors, metadata={"format": FORMAT, "name": name})
+    atomic_write(folder / f"{name}.safetensors", blob)
+    record = {
+        "format": FORMAT,
+        "name": name,
+        "weights": f"{name}.safetensors",
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "config": config.to_dict(),
+        "state": state,
+    }
+    path = folder / f"{name}.json"
+    atomic_write(path, json.dumps(record, indent=2, sort_keys=True).encode())
+    return path
+
+
+def load(folder: str | os.PathLike, name: str) -> Entry:
+    """Load and verify one module's checkpoint; a clear CheckpointError on anything wrong."""
+    folder = Path(folder)
+    path = folder / f"{name}.json"
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: is {folder} a spheroid checkpoint folder?") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is unreadable or not JSON ({exc}); re-save or re-fetch it") from exc
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} record")
+    try:
+        config = RunConfig.from_dict(record["config"])
+        weights = folder / record["weights"]
+        expected = record["sha256"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path} has a malformed record: {exc}") from exc
+    try:
+        blob = weights.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {weights}: {exc}") from exc
+    actual = hashlib.sha256(blob).hexdigest()
+    if actual != expected:
+        raise CheckpointError(
+            f"{weights} is damaged or truncated ({len(blob)} bytes, sha256 {actual[:12]}, "
+            f"expected {expected[:12]}); restore it from a peer or a backup"
+        )
+    try:
+        tensors = load_safetensors(blob)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{weights} is not a valid safetensors file: {exc}") from exc
+    return Entry(name, config, record.get("state", {}), tensors)
+
+
+def block_indices(folder: str | os.PathLike) -> list[int]:
+    """Indices of the blocks that have a record in the folder, sorted."""
+    found = (re.fullmatch(r"block-(\d+)\.json", p.name) for p in Path(folder).glob("block-*.json"))
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def load_blocks(folder: str | os.PathLike) -> list[Entry]:
+    """All blocks of an assembled model; refuses a folder with a block missing or configs that differ."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+    indices = block_indices(folder)
+    if not indices:
+        raise CheckpointError(f"{folder} holds no block-<b>.json: train blocks with `spheroid train --block B`")
+    entries = [load(folder, block_name(b)) for b in indices]
+    first = entries[0].config
+    n_blocks = first.model.n_blocks
+    if indices != list(range(n_blocks)):
+        missing = sorted(set(range(n_blocks)) - set(indices))
+        raise CheckpointError(f"{folder} lacks block(s) {missing} of {n_blocks}; train or fetch them first")
+    for e in entries[1:]:
+        if e.config.model != first.model or e.config.noise != first.noise:
+            raise CheckpointError(
+                f"{e.name} in {folder} was trained with another model or noise configuration than block-0"
+            )
+    return entries

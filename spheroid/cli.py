@@ -1,0 +1,177 @@
+"""The `spheroid` command line: a thin layer of click commands over the library."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+import torch
+
+from . import checkpoint
+from .chain import generate as run_chain
+from .config import RunConfig, override
+from .data import DataError, fixed_windows, load_bytes
+from .train import (
+    evaluate_chain,
+    evaluate_reference,
+    load_chain,
+    pick_device,
+    train_block,
+    train_reference,
+)
+
+log = logging.getLogger("spheroid")
+
+
+class Failure(click.ClickException):
+    """An error with a message for the user: printed without a traceback, exit code 1."""
+
+
+def fail_clearly(func):
+    """Turn the library's expected errors into one clear line instead of a traceback."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except (DataError, checkpoint.CheckpointError, ValueError, FloatingPointError) as exc:
+            raise Failure(str(exc)) from exc
+
+    return wrapper
+
+
+@click.group()
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors.")
+def main(verbose: int, quiet: bool) -> None:
+    """spheroid: decentralised training and serving of BlockTrain byte-level language models."""
+    level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+data_option = click.option(
+    "--data", "data_dir", envvar="SPHEROID_DATA", type=click.Path(), default=None,
+    help="WikiText folder (wiki.{train,valid,test}.{tokens,raw}, plain or .xz); default $SPHEROID_DATA.",
+)
+device_option = click.option("--device", default=None, help="torch device; default cuda when present, else cpu.")
+
+
+def load_config(config_file: str | None, **model_noise_train) -> RunConfig:
+    """The run configuration: a JSON file (or the defaults) with command-line overrides on top."""
+    cfg = RunConfig.from_json(Path(config_file).read_text()) if config_file else RunConfig()
+    groups = {"model": {}, "noise": {}, "train": {}}
+    for key, value in model_noise_train.items():
+        group, field = key.split("__")
+        groups[group][field] = value
+    return RunConfig(
+        model=override(cfg.model, **groups["model"]),
+        noise=override(cfg.noise, **groups["noise"]),
+        train=override(cfg.train, **groups["train"]),
+    )
+
+
+@main.command()
+@click.option("--block", type=int, default=None, help="Train this block (0 = highest noise band).")
+@click.option("--reference", is_flag=True, help="Train the end-to-end reference instead of a block.")
+@click.option("--out", type=click.Path(file_okay=False), default="checkpoints/local", show_default=True,
+              help="Checkpoint folder; blocks trained into one folder form the assembled model.")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
+              help="RunConfig JSON (as written beside every checkpoint); flags override it.")
+@click.option("--steps", "train__steps", type=int)
+@click.option("--batch", "train__batch", type=int)
+@click.option("--lr", "train__lr", type=float)
+@click.option("--seed", "train__seed", type=int)
+@click.option("--d-model", "model__d_model", type=int)
+@click.option("--n-heads", "model__n_heads", type=int)
+@click.option("--layers-per-block", "model__layers_per_block", type=int)
+@click.option("--n-blocks", "model__n_blocks", type=int,
+              help="Blocks of the model (for --reference: depth is n_blocks x layers_per_block).")
+@click.option("--context", "model__context", type=int)
+@click.option("--codebook-seed", "model__codebook_seed", type=int)
+@click.option("--save-every", type=int, default=0, help="Also snapshot into OUT/steps/<step>/ every N steps.")
+@click.option("--metrics", type=click.Path(dir_okay=False), help="Write wall time, FLOPs and peak memory as JSON.")
+@data_option
+@device_option
+@fail_clearly
+def train(block, reference, out, config_file, save_every, metrics, data_dir, device, **overrides) -> None:
+    """Train one block (--block B) or the end-to-end reference (--reference)."""
+    if (block is None) == (not reference):
+        raise click.UsageError("give exactly one of --block B or --reference")
+    cfg = load_config(config_file, **overrides)
+    dev = pick_device(device)
+    data = load_bytes(data_dir, "train")
+    log.info("training on %d bytes of wiki.train.tokens, device %s", data.numel(), dev)
+    if reference:
+        result = train_reference(cfg, data, Path(out), dev, save_every)
+    else:
+        result = train_block(cfg, block, data, Path(out), dev, save_every)
+    click.echo(f"done in {result.wall_s:.1f}s: loss {result.final_loss:.4f} ce {result.final_ce:.4f}; "
+               f"checkpoint in {out}")
+    if metrics:
+        Path(metrics).write_text(json.dumps({**vars(result), "config": cfg.to_dict()}, indent=2))
+
+
+@main.command(name="eval")
+@click.argument("ckpt", type=click.Path(exists=True, file_okay=False))
+@click.option("--split", type=click.Choice(["valid", "test"]), default="valid", show_default=True)
+@click.option("--variant", type=click.Choice(["tokens", "raw"]), default="tokens", show_default=True)
+@click.option("--k", "chunk", type=int, default=None, help="Chunk size of the attention mask (default: trained K).")
+@click.option("--draws", type=int, default=8, show_default=True, help="M: noise draws averaged.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--windows", type=int, default=256, show_default=True, help="Evaluation windows, evenly spaced.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@data_option
+@device_option
+@fail_clearly
+def evaluate(ckpt, split, variant, chunk, draws, seed, windows, as_json, data_dir, device) -> None:
+    """CE of the chain in CKPT started from pure noise with a clean context (and of a reference there)."""
+    dev = pick_device(device)
+    results: dict[str, float | int | str] = {"split": f"wiki.{split}.{variant}", "draws": draws}
+    have_blocks = bool(checkpoint.block_indices(ckpt))
+    have_reference = (Path(ckpt) / f"{checkpoint.REFERENCE}.json").exists()
+    if not (have_blocks or have_reference):
+        raise Failure(f"{ckpt} holds neither blocks nor a reference checkpoint")
+    context = checkpoint.load(ckpt, "block-0" if have_blocks else checkpoint.REFERENCE).config.model.context
+    win = fixed_windows(load_bytes(data_dir, split, variant), windows, context + 1)
+    results["bytes"] = win.shape[0] * context
+    if have_blocks:
+        chain, alone = evaluate_chain(ckpt, win, draws, seed, dev, chunk)
+        results.update(chain_ce_m1=chain.ce_one_draw, chain_ce=chain.ce_averaged, block0_alone_ce=alone)
+    if have_reference:
+        results["reference_ce"] = evaluate_reference(ckpt, win, dev)
+    if as_json:
+        click.echo(json.dumps(results, indent=2))
+        return
+    click.echo(f"{results['split']}: {results['bytes']} bytes scored")
+    rows = [("chain_ce_m1", "chain from noise, M = 1"), ("chain_ce", f"chain from noise, M = {draws}"),
+            ("block0_alone_ce", "block 0 alone at sigma_max"), ("reference_ce", "end-to-end reference")]
+    for key, label in rows:
+        if key in results:
+            ce = float(results[key])
+            click.echo(f"  {label:<30} CE {ce:.4f} nats/byte  {ce / 0.6931472:.4f} bits/byte  PPL {2.718281828**ce:.3f}")
+
+
+@main.command()
+@click.argument("ckpt", type=click.Path(exists=True, file_okay=False))
+@click.option("--prompt", default="", help="Text to continue.")
+@click.option("--bytes", "n_bytes", type=int, default=200, show_default=True)
+@click.option("--k", "chunk", type=int, default=1, show_default=True, help="Bytes denoised per chain traversal.")
+@click.option("--temperature", type=float, default=0.8, show_default=True, help="0 = most likely byte.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@device_option
+@fail_clearly
+def generate(ckpt, prompt, n_bytes, chunk, temperature, seed, device) -> None:
+    """Generate bytes after PROMPT with the chain in CKPT, locally."""
+    dev = pick_device(device)
+    cfg, blocks, codebook = load_chain(ckpt, dev)
+    gen = torch.Generator(dev).manual_seed(seed)
+    text = run_chain(blocks, cfg.noise, codebook, prompt.encode(), n_bytes, chunk, temperature, gen)
+    click.echo(prompt + text.decode("utf-8", errors="replace"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Configuration dataclasses and their JSON round trip.
+
+Everything that decides what a checkpoint means lives here, so that the JSON written beside every
+checkpoint is enough to rebuild the model, the noise schedule and the training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of the model. A BlockTrain model is `n_blocks` blocks of `layers_per_block` layers."""
+
+    vocab: int = 256  # bytes are tokens
+    d_model: int = 128
+    n_heads: int = 4
+    layers_per_block: int = 2
+    n_blocks: int = 4
+    context: int = 128  # bytes of clean context a block (or the reference) reads
+    mlp_ratio: int = 4
+    chunk: int = 1  # K: noisy tokens of one chunk attend to each other (1 = plain next-byte model)
+    codebook_seed: int = 0  # the shared, fixed target codebook e(.) is generated from this seed
+    codebook_norm: float = 1.0  # row norm of the codebook
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.chunk < 1 or self.chunk > self.context:
+            raise ValueError(f"chunk must be in [1, context={self.context}], got {self.chunk}")
+        if self.n_blocks < 1 or self.layers_per_block < 1:
+            raise ValueError("n_blocks and layers_per_block must be at least 1")
+
+
+@dataclass(frozen=True)
+class NoiseConfig:
+    """The noise levels of the variance-exploding diffusion and how the blocks split them."""
+
+    sigma_min: float = 1.0
+    sigma_max: float = 10.0
+    p_mean: float = -1.2
+    p_std: float = 1.2
+    overlap: float = 0.1  # gamma: each band is widened by (hi/lo)**gamma in log space
+    sigma_data: float = 0.5
+    steps_per_block: int = 1  # Euler steps each block takes in the inference chain
+
+    def __post_init__(self) -> None:
+        if not 0 < self.sigma_min < self.sigma_max:
+            raise ValueError(f"need 0 < sigma_min < sigma_max, got {self.sigma_min}, {self.sigma_max}")
+        if self.p_std <= 0 or self.sigma_data <= 0 or self.overlap < 0 or self.steps_per_block < 1:
+            raise ValueError("p_std and sigma_data must be positive, overlap >= 0, steps_per_block >= 1")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: the same for a block and for the end-to-end reference."""
+
+    steps: int = 800
+    batch: int = 32
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    weight_decay: float = 0.1
+    warmup: int = 100
+    grad_clip: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What a checkpoint file records: model, noise and training configuration together."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        return cls(
+            model=_build(ModelConfig, data.get("model", {})),
+            noise=_build(NoiseConfig, data.get("noise", {})),
+            train=_build(TrainConfig, data.get("train", {})),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunConfig:
+        return cls.from_dict(json.loads(text))
+
+
+def _build(kind: type, data: dict[str, Any]) -> Any:
+    """Build a dataclass from a dict, refusing unknown keys so a typo never passes silently."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{kind.__name__}: expected a JSON object, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"{kind.__name__}: unknown field(s) {sorted(unknown)}")
+    return kind(**data)
+
+
+def override(config: Any, **changes: Any) -> Any:
+    """A copy of a (nested) config with the non-None values of `changes` applied."""
+    return dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})

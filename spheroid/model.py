@@ -1,0 +1,229 @@
+"""The models: one self-contained diffusion block, the end-to-end reference, and the shared codebook.
+
+Read top-down: the codebook, the attention mask of the clean/noisy layout, the transformer layer
+(optionally modulated by the noise level, AdaLN-style), the noise-level embedding, the block's
+network F, the EDM preconditioning wrapper around it, and the plain causal reference.
+
+Shapes: B batch, L clean context bytes, N noisy target positions, d model width, V = 256.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as fn
+from torch import nn
+
+from .config import ModelConfig
+
+
+def make_codebook(cfg: ModelConfig) -> torch.Tensor:
+    """The fixed target codebook e(.): V x d rows of norm `codebook_norm`, from `codebook_seed`.
+
+    Never trained and never sent: every worker regenerates the same matrix from the seed.
+    """
+    gen = torch.Generator().manual_seed(cfg.codebook_seed)
+    rows = torch.randn(cfg.vocab, cfg.d_model, generator=gen)
+    return cfg.codebook_norm * rows / rows.norm(dim=1, keepdim=True)
+
+
+def attention_mask(n_clean: int, n_noisy: int, start: int, chunk: int) -> torch.Tensor:
+    """Who may attend to whom in the concatenated [clean | noisy] sequence; True = may attend.
+
+    Clean token j holds byte x_j. Noisy token n holds the noisy embedding of the byte at position
+    start + n + 1 (the target of position p = start + n). Noisy tokens come in chunks of `chunk`:
+      - clean tokens attend causally to clean tokens and never to noisy ones;
+      - a noisy token attends to the clean tokens up to its chunk's first position p0 (so it sees
+        x_<=p0, everything known before the chunk) and to all noisy tokens of its own chunk.
+    With chunk = 1 this is the plain next-byte model: target p sees x_<=p and its own noisy token.
+    """
+    if start + 1 > n_clean:
+        raise ValueError(f"noisy tokens start at position {start} but only {n_clean} clean bytes are given")
+    clean = torch.arange(n_clean)
+    noisy = torch.arange(n_noisy)
+    group = noisy // chunk  # (N,) chunk index of each noisy token
+    first = start + group * chunk  # (N,) first target position of each noisy token's chunk
+    mask = torch.zeros(n_clean + n_noisy, n_clean + n_noisy, dtype=torch.bool)
+    mask[:n_clean, :n_clean] = clean[None, :] <= clean[:, None]
+    mask[n_clean:, :n_clean] = clean[None, :] <= first[:, None]
+    mask[n_clean:, n_clean:] = group[None, :] == group[:, None]
+    return mask
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, d = h.shape
+        q, k, v = self.qkv(h).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        if mask is None:  # plain causal
+            out = fn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = fn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(b, s, d))
+
+
+class Layer(nn.Module):
+    """A pre-norm transformer layer. When `conditioned`, AdaLN-Zero modulation from a condition vector."""
+
+    def __init__(self, d: int, n_heads: int, mlp_ratio: int, conditioned: bool) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(d, elementwise_affine=not conditioned)
+        self.attn = Attention(d, n_heads)
+        self.norm2 = nn.LayerNorm(d, elementwise_affine=not conditioned)
+        self.mlp = nn.Sequential(nn.Linear(d, mlp_ratio * d), nn.GELU(), nn.Linear(mlp_ratio * d, d))
+        self.ada = nn.Linear(d, 6 * d) if conditioned else None
+
+    def forward(
+        self, h: torch.Tensor, mask: torch.Tensor | None, cond: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.ada is None:
+            h = h + self.attn(self.norm1(h), mask)
+            return h + self.mlp(self.norm2(h))
+        # cond: (B, S, d), one condition per token -> shift, scale and gate for both sublayers
+        shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(fn.silu(cond)).chunk(6, dim=-1)
+        h = h + gate1 * self.attn(self.norm1(h) * (1 + scale1) + shift1, mask)
+        return h + gate2 * self.mlp(self.norm2(h) * (1 + scale2) + shift2)
+
+
+class NoiseEmbedding(nn.Module):
+    """c_noise (a scalar per sequence) -> a d-vector: sinusoidal features, then a small MLP."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.register_buffer("freqs", torch.exp(torch.linspace(0, math.log(1000.0), d // 2)), persistent=False)
+        self.mlp = nn.Sequential(nn.Linear(2 * (d // 2), d), nn.SiLU(), nn.Linear(d, d))
+
+    def forward(self, c_noise: torch.Tensor) -> torch.Tensor:
+        angles = c_noise[:, None] * self.freqs[None, :]  # (B, d/2)
+        return self.mlp(torch.cat([angles.sin(), angles.cos()], dim=-1))
+
+
+class BlockNet(nn.Module):
+    """F of one block: reads the clean context and the scaled noisy tokens, returns (B, N, d).
+
+    Self-contained: its own context embedding, positions, noise embedding, layers and final norm.
+    Clean tokens get a learned condition of their own, so the clean stream does not depend on the
+    noise level (and can be cached across noise levels when serving).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.tok_emb = nn.Embedding(cfg.vocab, d)
+        self.pos_emb = nn.Parameter(torch.zeros(cfg.context, d))
+        self.noisy_in = nn.Linear(d, d)
+        self.noise_emb = NoiseEmbedding(d)
+        self.clean_cond = nn.Parameter(torch.zeros(d))
+        self.layers = nn.ModuleList(Layer(d, cfg.n_heads, cfg.mlp_ratio, True) for _ in range(cfg.layers_per_block))
+        self.norm_out = nn.LayerNorm(d, elementwise_affine=False)
+        self.ada_out = nn.Linear(d, 2 * d)
+        self.out = nn.Linear(d, d)
+
+    def forward(
+        self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int, chunk: int
+    ) -> torch.Tensor:
+        b, n_clean = x.shape
+        n_noisy = z_in.shape[1]
+        if start + n_noisy > self.pos_emb.shape[0]:
+            raise ValueError(f"positions up to {start + n_noisy} exceed the context of {self.pos_emb.shape[0]}")
+        clean = self.tok_emb(x) + self.pos_emb[:n_clean]  # (B, L, d)
+        noisy = self.noisy_in(z_in) + self.pos_emb[start : start + n_noisy]  # (B, N, d)
+        h = torch.cat([clean, noisy], dim=1)  # (B, L+N, d)
+        cond = torch.cat(
+            [self.clean_cond.expand(b, n_clean, -1), self.noise_emb(c_noise)[:, None, :].expand(b, n_noisy, -1)],
+            dim=1,
+        )  # (B, L+N, d)
+        mask = attention_mask(n_clean, n_noisy, start, chunk).to(x.device)
+        for layer in self.layers:
+            h = layer(h, mask, cond)
+        shift, scale = self.ada_out(fn.silu(cond[:, n_clean:])).chunk(2, dim=-1)
+        return self.out(self.norm_out(h[:, n_clean:]) * (1 + scale) + shift)  # (B, N, d)
+
+
+class DiffusionBlock(nn.Module):
+    """One block: EDM preconditioning around F, and a head from the denoised embedding to logits.
+
+    D = c_skip * z + c_out * F(c_in * z, c_noise, context);  logits = head(D).
+    """
+
+    def __init__(self, cfg: ModelConfig, sigma_data: float) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.sigma_data = sigma_data
+        self.net = BlockNet(cfg)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab)
+        init_weights(self)
+        for layer in self.net.layers:  # AdaLN-Zero: every layer starts as the identity
+            nn.init.zeros_(layer.ada.weight)
+            nn.init.zeros_(layer.ada.bias)
+        for lin in (self.net.ada_out, self.net.out):  # F starts at zero, so D starts at c_skip * z
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    @staticmethod
+    def coefficients(sigma: torch.Tensor, sigma_data: float) -> tuple[torch.Tensor, ...]:
+        """EDM's c_skip, c_out, c_in, c_noise for noise level sigma."""
+        sd2 = sigma_data**2
+        c_skip = sd2 / (sigma**2 + sd2)
+        c_out = sigma * sigma_data / (sigma**2 + sd2).sqrt()
+        c_in = 1 / (sigma**2 + sd2).sqrt()
+        c_noise = sigma.log() / 4
+        return c_skip, c_out, c_in, c_noise
+
+    def forward(
+        self, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, start: int = 0, chunk: int | None = None
+    ) -> torch.Tensor:
+        """x: (B, L) clean bytes; z: (B, N, d) noisy targets; sigma: (B,). Returns logits (B, N, V)."""
+        c_skip, c_out, c_in, c_noise = self.coefficients(sigma.float(), self.sigma_data)
+        c_skip, c_out, c_in = (c[:, None, None] for c in (c_skip, c_out, c_in))
+        f = self.net(c_in * z, c_noise, x, start, chunk or self.cfg.chunk)
+        return self.head(c_skip * z + c_out * f)
+
+
+class Reference(nn.Module):
+    """The end-to-end baseline: a plain causal transformer on clean bytes, next-byte CE.
+
+    Depth is n_blocks * layers_per_block, the total depth of the BlockTrain model it is compared with.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.tok_emb = nn.Embedding(cfg.vocab, d)
+        self.pos_emb = nn.Parameter(torch.zeros(cfg.context, d))
+        depth = cfg.n_blocks * cfg.layers_per_block
+        self.layers = nn.ModuleList(Layer(d, cfg.n_heads, cfg.mlp_ratio, False) for _ in range(depth))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, cfg.vocab)
+        init_weights(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T) bytes -> logits (B, T, V) for the byte after each position."""
+        if x.shape[1] > self.pos_emb.shape[0]:
+            raise ValueError(f"{x.shape[1]} bytes exceed the context of {self.pos_emb.shape[0]}")
+        h = self.tok_emb(x) + self.pos_emb[: x.shape[1]]
+        for layer in self.layers:
+            h = layer(h, None)
+        return self.head(self.norm(h))
+
+
+def init_weights(module: nn.Module) -> None:
+    """GPT-2 style initialisation: N(0, 0.02) weights, zero biases, for every linear and embedding."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+    for name, p in module.named_parameters():
+        if name.endswith("pos_emb"):
+            nn.init.normal_(p, std=0.02)
+
+
+def parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

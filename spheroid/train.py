@@ -1,0 +1,250 @@
+"""Training loops for one block and for the end-to-end reference, and evaluation of checkpoints.
+
+Both trainers share one loop (`fit`): random byte windows, AdamW with warm-up and cosine decay,
+gradient clipping, progress logs and periodic checkpoints. They differ only in the loss. A block
+trainer builds and holds exactly one block: no other block's parameters are ever in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as fn
+from torch.utils.flop_counter import FlopCounterMode
+
+from . import checkpoint
+from .chain import ChainScore, score, score_block_alone
+from .config import RunConfig
+from .data import random_windows
+from .model import DiffusionBlock, Reference, make_codebook
+from .noise import loss_weight, sample_sigma, training_band
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[torch.Tensor, torch.Generator], tuple[torch.Tensor, float]]
+
+
+def pick_device(name: str | None = None) -> torch.device:
+    """The device to run on: the one named, else cuda when present, else cpu."""
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process so far, in MiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def learning_rate(step: int, cfg: RunConfig) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak rate."""
+    t = cfg.train
+    if step < t.warmup:
+        return t.lr * (step + 1) / t.warmup
+    progress = (step - t.warmup) / max(1, t.steps - t.warmup)
+    return t.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not on biases, norms or position tables' rows)."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and not n.endswith("pos_emb")]
+    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and not n.endswith("pos_emb"))]
+    t = cfg.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+
+
+def block_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook: torch.Tensor) -> LossFn:
+    """The DiffusionBlocks loss of one block: weighted CE of head(D) over its widened noise band."""
+    lo, hi = training_band(cfg.noise, cfg.model.n_blocks, index)
+
+    def loss(windows: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:
+        x, y = windows[:, :-1], windows[:, 1:]  # (B, T)
+        sigma = sample_sigma(cfg.noise, lo, hi, x.shape[0], gen).to(x.device)  # one level per sequence
+        eps = torch.randn(*y.shape, codebook.shape[1], device=x.device)  # global RNG, seeded per run
+        z = codebook[y] + sigma[:, None, None] * eps  # (B, T, d)
+        with autocast(x.device):
+            logits = block(x, z, sigma)
+        ce = fn.cross_entropy(logits.float().transpose(1, 2), y, reduction="none").mean(dim=1)  # (B,)
+        return (loss_weight(sigma, cfg.noise.sigma_data) * ce).mean(), ce.mean().item()
+
+    return loss
+
+
+def reference_loss(model: Reference) -> LossFn:
+    """Next-byte CE of the end-to-end reference."""
+
+    def loss(windows: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:
+        with autocast(windows.device):
+            logits = model(windows[:, :-1])
+        ce = fn.cross_entropy(logits.float().transpose(1, 2), windows[:, 1:])
+        return ce, ce.item()
+
+    return loss
+
+
+def autocast(device: torch.device) -> torch.autocast:
+    """bf16 autocast on CUDA; a no-op context on the CPU, where fp32 is faster for these sizes."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+@dataclass
+class FitResult:
+    wall_s: float
+    flops_per_step: int
+    final_loss: float
+    final_ce: float
+    peak_rss_mb: float
+    rss_before_training_mb: float
+
+
+def fit(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    cfg: RunConfig,
+    data: torch.Tensor,
+    name: str,
+    out: Path,
+    state_extra: dict | None = None,
+    save_every: int = 0,
+    log_every: int = 50,
+) -> FitResult:
+    """Train `model` for cfg.train.steps on random windows of `data`; checkpoint into `out`.
+
+    Every `save_every` steps a snapshot goes to out/steps/<step>/ (for learning curves); the final
+    weights go to out/. FLOPs of one step are counted once, at the first step, by torch's counter.
+    """
+    device = next(model.parameters()).device
+    t = cfg.train
+    gen = torch.Generator().manual_seed(t.seed)
+    opt = make_optimizer(model, cfg)
+    rss_before = peak_rss_mb()
+    flops_per_step = 0
+    started = time.monotonic()
+    last_log, loss_value, ce_value = started, float("nan"), float("nan")
+
+    for step in range(t.steps):
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, cfg)
+        windows = random_windows(data, t.batch, cfg.model.context + 1, gen).to(device)
+        if step == 0:
+            with FlopCounterMode(display=False) as counter:
+                loss, ce_value = train_step(model, loss_fn, opt, windows, gen, t.grad_clip)
+            flops_per_step = counter.get_total_flops()
+        else:
+            loss, ce_value = train_step(model, loss_fn, opt, windows, gen, t.grad_clip)
+        loss_value = loss
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"{name}: loss became {loss_value} at step {step}; lower --lr")
+        done = step + 1
+        if done % log_every == 0 or done == t.steps:
+            now = time.monotonic()
+            rate = log_every * t.batch * cfg.model.context / max(now - last_log, 1e-9)
+            log.info("%s step %d/%d loss %.4f ce %.4f lr %.2e %.0f bytes/s",
+                     name, done, t.steps, loss_value, ce_value, learning_rate(step, cfg), rate)
+            last_log = now
+        if save_every and done % save_every == 0 and done < t.steps:
+            state = {"step": done, "loss": loss_value, "ce": ce_value, **(state_extra or {})}
+            checkpoint.save(out / "steps" / f"{done:06d}", name, model, cfg, state)
+    wall = time.monotonic() - started
+    state = {"step": t.steps, "loss": loss_value, "ce": ce_value, "wall_s": wall, **(state_extra or {})}
+    checkpoint.save(out, name, model, cfg, state)
+    return FitResult(wall, flops_per_step, loss_value, ce_value, peak_rss_mb(), rss_before)
+
+
+def train_step(
+    model: torch.nn.Module, loss_fn: LossFn, opt: torch.optim.Optimizer, windows: torch.Tensor,
+    gen: torch.Generator, grad_clip: float,
+) -> tuple[float, float]:
+    loss, ce = loss_fn(windows, gen)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    return loss.item(), ce
+
+
+def train_block(cfg: RunConfig, index: int, data: torch.Tensor, out: Path, device: torch.device,
+                save_every: int = 0) -> FitResult:
+    """Train block `index` alone: only this block and the fixed codebook are ever built."""
+    if not 0 <= index < cfg.model.n_blocks:
+        raise ValueError(f"--block {index} is outside 0..{cfg.model.n_blocks - 1}")
+    torch.manual_seed(cfg.train.seed * 1000 + index)
+    block = DiffusionBlock(cfg.model, cfg.noise.sigma_data).to(device)
+    codebook = make_codebook(cfg.model).to(device)
+    lo, hi = training_band(cfg.noise, cfg.model.n_blocks, index)
+    log.info("block %d: %d parameters, noise band [%.3f, %.3f] with overlap", index,
+             sum(p.numel() for p in block.parameters()), lo, hi)
+    return fit(block, block_loss(block, cfg, index, codebook), cfg, data, checkpoint.block_name(index),
+               out, {"block": index}, save_every)
+
+
+def train_reference(cfg: RunConfig, data: torch.Tensor, out: Path, device: torch.device,
+                    save_every: int = 0) -> FitResult:
+    """Train the end-to-end reference (depth n_blocks * layers_per_block) with next-byte CE."""
+    torch.manual_seed(cfg.train.seed)
+    model = Reference(cfg.model).to(device)
+    log.info("reference: %d layers, %d parameters", cfg.model.n_blocks * cfg.model.layers_per_block,
+             sum(p.numel() for p in model.parameters()))
+    return fit(model, reference_loss(model), cfg, data, checkpoint.REFERENCE, out, {}, save_every)
+
+
+# --- evaluation ------------------------------------------------------------------------------------
+
+
+def load_chain(folder: str | Path, device: torch.device) -> tuple[RunConfig, list[DiffusionBlock], torch.Tensor]:
+    """The assembled model in a checkpoint folder: its config, its blocks (eval mode) and codebook."""
+    entries = checkpoint.load_blocks(folder)
+    cfg = entries[0].config
+    blocks = []
+    for e in entries:
+        block = DiffusionBlock(cfg.model, cfg.noise.sigma_data)
+        load_state(block, e)
+        blocks.append(block.to(device).eval())
+    return cfg, blocks, make_codebook(cfg.model).to(device)
+
+
+def load_reference(folder: str | Path, device: torch.device) -> tuple[RunConfig, Reference]:
+    entry = checkpoint.load(folder, checkpoint.REFERENCE)
+    model = Reference(entry.config.model)
+    load_state(model, entry)
+    return entry.config, model.to(device).eval()
+
+
+def load_state(module: torch.nn.Module, entry: checkpoint.Entry) -> None:
+    try:
+        module.load_state_dict(entry.tensors)
+    except RuntimeError as exc:
+        raise checkpoint.CheckpointError(f"{entry.name}: weights do not fit its configuration: {exc}") from exc
+
+
+def evaluate_chain(folder: str | Path, windows: torch.Tensor, draws: int, seed: int, device: torch.device,
+                   chunk: int | None = None) -> tuple[ChainScore, float]:
+    """CE of the chain from pure noise (one draw and `draws` averaged), and block 0 alone."""
+    cfg, blocks, codebook = load_chain(folder, device)
+    gen = torch.Generator(device).manual_seed(seed)
+    chain = score(blocks, cfg.noise, codebook, windows, draws, gen, chunk=chunk)
+    alone = score_block_alone(blocks[0], cfg.noise, codebook, windows, gen)
+    return chain, alone
+
+
+@torch.no_grad()
+def evaluate_reference(folder: str | Path, windows: torch.Tensor, device: torch.device) -> float:
+    """Next-byte CE (nats/byte) of the reference in a checkpoint folder on the given windows."""
+    _, model = load_reference(folder, device)
+    nll, count = 0.0, 0
+    for i in range(0, windows.shape[0], 64):
+        w = windows[i : i + 64].to(device)
+        logits = model(w[:, :-1]).float()
+        nll += fn.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(), reduction="sum").item()
+        count += w[:, 1:].numel()
+    return nll / count
