@@ -133,7 +133,10 @@ class BlockNet(nn.Module):
         if start + n_noisy > self.pos_emb.shape[0]:
             raise ValueError(f"positions up to {start + n_noisy} exceed the context of {self.pos_emb.shape[0]}")
         clean = self.tok_emb(x) + self.pos_emb[:n_clean]  # (B, L, d)
-        noisy = self.noisy_in(z_in) + self.pos_emb[start : start + n_noisy]  # (B, N, d)
+        # each noisy token also carries the last clean byte its chunk may see (its anchor), so the
+        # nearest context is at hand from the first step instead of having to be found by attention
+        anchor = start + (torch.arange(n_noisy, device=x.device) // chunk) * chunk  # (N,)
+        noisy = self.noisy_in(z_in) + self.tok_emb(x[:, anchor]) + self.pos_emb[start : start + n_noisy]  # (B, N, d)
         h = torch.cat([clean, noisy], dim=1)  # (B, L+N, d)
         cond = torch.cat(
             [self.clean_cond.expand(b, n_clean, -1), self.noise_emb(c_noise)[:, None, :].expand(b, n_noisy, -1)],
@@ -157,12 +160,15 @@ class DiffusionBlock(nn.Module):
         self.cfg = cfg
         self.sigma_data = sigma_data
         self.net = BlockNet(cfg)
+        self.head_norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab)
         init_weights(self)
         for layer in self.net.layers:  # AdaLN-Zero: every layer starts as the identity
             nn.init.zeros_(layer.ada.weight)
             nn.init.zeros_(layer.ada.bias)
-        for lin in (self.net.ada_out, self.net.out):  # F starts at zero, so D starts at c_skip * z
+        # F starts at zero (so D starts at c_skip * z) and reads the noisy input only once it learns
+        # to: at high noise that input is almost pure noise and would drown the context at first
+        for lin in (self.net.ada_out, self.net.out, self.net.noisy_in):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
 
@@ -183,7 +189,7 @@ class DiffusionBlock(nn.Module):
         c_skip, c_out, c_in, c_noise = self.coefficients(sigma.float(), self.sigma_data)
         c_skip, c_out, c_in = (c[:, None, None] for c in (c_skip, c_out, c_in))
         f = self.net(c_in * z, c_noise, x, start, chunk or self.cfg.chunk)
-        return self.head(c_skip * z + c_out * f)
+        return self.head(self.head_norm(c_skip * z + c_out * f))
 
 
 class Reference(nn.Module):

@@ -1,0 +1,42 @@
+"""Shared fixtures: the real WikiText folder and a tiny model configuration for fast tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from spheroid.config import ModelConfig, NoiseConfig, RunConfig, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The WikiText-2 folder: $SPHEROID_DATA, else ../shared/data/wikitext beside the checkout."""
+    folder = Path(os.environ.get("SPHEROID_DATA") or ROOT.parent / "shared" / "data" / "wikitext")
+    assert (folder / "wiki.valid.tokens.xz").exists() or (folder / "wiki.valid.tokens").exists(), (
+        f"WikiText-2 not found in {folder}: set SPHEROID_DATA to the folder"
+    )
+    return folder
+
+
+@pytest.fixture
+def tiny() -> RunConfig:
+    """A model small enough that a training step takes milliseconds on a CPU."""
+    return RunConfig(
+        model=ModelConfig(d_model=32, n_heads=2, layers_per_block=1, n_blocks=4, context=16),
+        noise=NoiseConfig(),
+        train=TrainConfig(steps=3, batch=4, warmup=1),
+    )
+
+
+def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Give every parameter random values, so zero-initialised gates cannot hide a dependency."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return module

@@ -1,0 +1,129 @@
+"""The block's attention layout leaks nothing, training touches one block, the chain is seeded."""
+
+import pytest
+import torch
+
+from spheroid.chain import denoise, generate, score
+from spheroid.config import ModelConfig, RunConfig
+from spheroid.model import DiffusionBlock, Reference, attention_mask, make_codebook
+from spheroid.train import block_loss, make_optimizer, train_step
+
+from .conftest import randomize
+
+
+def blocks_for(cfg: RunConfig) -> list[DiffusionBlock]:
+    return [randomize(DiffusionBlock(cfg.model, cfg.noise.sigma_data), seed=b).eval() for b in range(4)]
+
+
+def test_codebook_is_fixed_by_its_seed_with_unit_rows():
+    cfg = ModelConfig(d_model=32)
+    a, b = make_codebook(cfg), make_codebook(cfg)
+    assert torch.equal(a, b)
+    assert torch.allclose(a.norm(dim=1), torch.ones(256))
+    assert not torch.equal(a, make_codebook(ModelConfig(d_model=32, codebook_seed=1)))
+
+
+def test_mask_for_k1_and_k2():
+    m = attention_mask(3, 3, 0, 1).int()
+    # rows: clean 0..2 then noisy 0..2 (targets of positions 0..2); columns likewise
+    assert m.tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1],
+    ]
+    m2 = attention_mask(4, 4, 0, 2).int()
+    assert m2[4:, :4].tolist() == [[1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]]
+    assert m2[4:, 4:].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_chain_does_not_leak_future_bytes(tiny, chunk):
+    """Changing the bytes after position i changes nothing in the predictions of positions <= i."""
+    blocks = blocks_for(tiny)
+    codebook = make_codebook(tiny.model)
+    t = tiny.model.context
+    window = torch.randint(0, 256, (1, t + 1), generator=torch.Generator().manual_seed(0))
+
+    def run(w: torch.Tensor) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(7)
+        return denoise(blocks, tiny.noise, codebook, w[:, :-1], t, gen, chunk=chunk)[0]
+
+    base = run(window)
+    for i in range(t):
+        changed = window.clone()
+        changed[0, i + 1 :] = (changed[0, i + 1 :] + 1 + i) % 256
+        out = run(changed)
+        torch.testing.assert_close(out[: i + 1], base[: i + 1], rtol=0, atol=1e-5)
+        if i + 1 < t and (i + 1) % chunk == 0:
+            # the first prediction that may see byte i+1 does see it, so the test is not vacuous
+            assert not torch.allclose(out[i + 1], base[i + 1])
+
+
+def test_block_output_depends_on_its_own_noisy_target_not_later_ones(tiny):
+    """At training time position p sees x_<=p and z_p; later context and later targets are invisible."""
+    block = randomize(DiffusionBlock(tiny.model, 0.5)).eval()
+    t = tiny.model.context
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (1, t), generator=gen)
+    z = torch.randn(1, t, 32, generator=gen)
+    sigma = torch.tensor([2.0])
+    base = block(x, z, sigma)
+    i = t // 2
+    x2, z2 = x.clone(), z.clone()
+    x2[0, i + 1 :] = (x2[0, i + 1 :] + 3) % 256
+    z2[0, i + 1 :] += 1.0
+    out = block(x2, z2, sigma)
+    torch.testing.assert_close(out[0, : i + 1], base[0, : i + 1], rtol=0, atol=1e-5)
+    z3 = z.clone()
+    z3[0, i] += 1.0
+    assert not torch.allclose(block(x, z3, sigma)[0, i], base[0, i])
+
+
+def test_a_training_step_of_block_b_changes_block_b_only(tiny):
+    blocks = [DiffusionBlock(tiny.model, 0.5) for _ in range(4)]
+    codebook = make_codebook(tiny.model)
+    before = [{k: v.clone() for k, v in b.state_dict().items()} for b in blocks]
+    b = 2
+    opt = make_optimizer(blocks[b], tiny)
+    windows = torch.randint(0, 256, (4, tiny.model.context + 1))
+    train_step(blocks[b], block_loss(blocks[b], tiny, b, codebook), opt, windows, torch.Generator(), 1.0)
+    for i, blk in enumerate(blocks):
+        same = all(torch.equal(v, before[i][k]) for k, v in blk.state_dict().items())
+        assert same == (i != b), f"block {i} {'changed' if not same else 'did not change'}"
+    assert torch.equal(codebook, make_codebook(tiny.model))  # the codebook is never trained
+
+
+def test_chain_is_deterministic_for_a_seed(tiny):
+    blocks = blocks_for(tiny)
+    codebook = make_codebook(tiny.model)
+    windows = torch.randint(0, 256, (3, tiny.model.context + 1), generator=torch.Generator().manual_seed(0))
+
+    def run(seed: int):
+        return score(blocks, tiny.noise, codebook, windows, 2, torch.Generator().manual_seed(seed))
+
+    assert run(5) == run(5)
+    assert run(5) != run(6)
+    text = [generate(blocks, tiny.noise, codebook, b"ab", 10, 2, 1.0, torch.Generator().manual_seed(s))
+            for s in (1, 1, 2)]
+    assert text[0] == text[1] and len(text[0]) == 10 and text[0] != text[2]
+
+
+def test_averaged_draws_score_at_least_as_well_as_one_draw_on_average(tiny):
+    """log of a mean >= mean of logs (Jensen): the M-draw CE never exceeds the one-draw CE."""
+    blocks = blocks_for(tiny)
+    windows = torch.randint(0, 256, (4, tiny.model.context + 1), generator=torch.Generator().manual_seed(0))
+    s = score(blocks, tiny.noise, make_codebook(tiny.model), windows, 4, torch.Generator().manual_seed(0))
+    assert s.ce_averaged <= s.ce_one_draw + 1e-6
+    assert s.bytes_scored == 4 * tiny.model.context
+
+
+def test_reference_is_causal(tiny):
+    model = randomize(Reference(tiny.model)).eval()
+    x = torch.randint(0, 256, (1, 16))
+    x2 = x.clone()
+    x2[0, 9:] = (x2[0, 9:] + 1) % 256
+    torch.testing.assert_close(model(x2)[0, :9], model(x)[0, :9], rtol=0, atol=1e-5)
+    assert len(model.layers) == tiny.model.n_blocks * tiny.model.layers_per_block

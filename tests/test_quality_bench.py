@@ -1,0 +1,77 @@
+"""`bench/quality.py --preset ci` end to end, then the CLI's eval and generate on what it trained."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory, data_dir):
+    tmp = tmp_path_factory.mktemp("quality")
+    out = tmp / "quality.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "quality.py"), "--preset", "ci", "--out", str(out),
+         "--work", str(tmp / "work"), "--data", str(data_dir), "--device", "cpu"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return tmp, json.loads(out.read_text()), proc.stdout
+
+
+def test_quality_ci_preset_writes_its_json_and_plot(bench_run):
+    tmp, result, stdout = bench_run
+    for key in ("reference_ce", "single_block_reference_ce", "blocktrain_ce", "blocktrain_ce_m8", "gap",
+                "wall_s", "flops", "peak_rss_block_mb", "peak_rss_reference_mb", "config", "block0_alone_ce"):
+        assert key in result, key
+    assert result["gap"] == pytest.approx(result["blocktrain_ce_m8"] - result["reference_ce"])
+    assert result["blocktrain_ce_m8"] <= result["blocktrain_ce"] + 1e-6
+    for key in ("reference_ce", "single_block_reference_ce", "blocktrain_ce"):
+        assert 0 < result[key] < 6.0  # at most a little above the uniform guess, ln 256 = 5.545
+        assert 0 < result["raw"][key] < 6.0
+    # even 40 steps teach the reference something about bytes
+    assert result["reference_ce"] < 5.2
+    assert result["flops"]["reference"] > 0 and len(result["flops"]["per_block"]) == 4
+    assert result["peak_rss_block_mb"] > 0 and result["config"]["model"]["n_blocks"] == 4
+    assert [row["step"] for row in result["curve"]] == [20, 40]
+    assert (tmp / "quality.png").stat().st_size > 1000
+    assert "BlockTrain chain, M = 8" in stdout
+
+
+def run_cli(*args, data_dir=None):
+    env_args = ["--data", str(data_dir)] if data_dir else []
+    return subprocess.run([sys.executable, "-m", "spheroid", *args, *env_args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_eval_reports_the_chain_and_block_zero(bench_run, data_dir):
+    tmp, result, _ = bench_run
+    proc = run_cli("eval", str(tmp / "work" / "blocktrain"), "--draws", "2", "--windows", "8", "--json",
+                   data_dir=data_dir)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["draws"] == 2 and report["bytes"] == 8 * 32
+    assert report["chain_ce"] <= report["chain_ce_m1"] + 1e-6 and "reference_ce" not in report
+    proc = run_cli("eval", str(tmp / "work" / "reference"), "--split", "test", "--windows", "8", data_dir=data_dir)
+    assert proc.returncode == 0 and "end-to-end reference" in proc.stdout and "PPL" in proc.stdout
+
+
+def test_cli_generate_is_seeded_and_returns_the_bytes_asked_for(bench_run):
+    tmp, _, _ = bench_run
+    ckpt = str(tmp / "work" / "blocktrain")
+    runs = [run_cli("generate", ckpt, "--prompt", "The ", "--bytes", "12", "--k", k, "--seed", "3",
+                    "--temperature", "0") for k in ("1", "1", "4")]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("The ")
+
+
+def test_cli_errors_are_one_clear_line(tmp_path):
+    proc = run_cli("eval", str(tmp_path))
+    assert proc.returncode == 1 and "holds neither blocks nor a reference" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "spheroid", "train", "--block", "0", "--data", str(tmp_path / "x")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
