@@ -42,7 +42,7 @@ PRESETS: dict[str, dict] = {
               "train": {"steps": 1000, "batch": 32, "warmup": 100}, "eval_windows": 256, "snapshots": 4, "jobs": 1},
     # one H100/H200-class GPU; all six trainers share the GPU at once
     "paper": {"model": {"d_model": 384, "n_heads": 6, "layers_per_block": 2, "context": 256},
-              "train": {"steps": 5000, "batch": 64, "warmup": 200}, "eval_windows": 1024, "snapshots": 5, "jobs": 6},
+              "train": {"steps": 4000, "batch": 64, "warmup": 200}, "eval_windows": 1024, "snapshots": 4, "jobs": 6},
 }
 DRAWS = 8
 

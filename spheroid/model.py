@@ -9,6 +9,7 @@ Shapes: B batch, L clean context bytes, N noisy target positions, d model width,
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -49,6 +50,12 @@ def attention_mask(n_clean: int, n_noisy: int, start: int, chunk: int) -> torch.
     mask[n_clean:, :n_clean] = clean[None, :] <= first[:, None]
     mask[n_clean:, n_clean:] = group[None, :] == group[:, None]
     return mask
+
+
+@functools.lru_cache(maxsize=32)
+def cached_mask(n_clean: int, n_noisy: int, start: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """attention_mask, built once per shape and device rather than at every forward."""
+    return attention_mask(n_clean, n_noisy, start, chunk).to(device)
 
 
 class Attention(nn.Module):
@@ -142,7 +149,7 @@ class BlockNet(nn.Module):
             [self.clean_cond.expand(b, n_clean, -1), self.noise_emb(c_noise)[:, None, :].expand(b, n_noisy, -1)],
             dim=1,
         )  # (B, L+N, d)
-        mask = attention_mask(n_clean, n_noisy, start, chunk).to(x.device)
+        mask = cached_mask(n_clean, n_noisy, start, chunk, x.device)
         for layer in self.layers:
             h = layer(h, mask, cond)
         shift, scale = self.ada_out(fn.silu(cond[:, n_clean:])).chunk(2, dim=-1)
