@@ -1,15 +1,20 @@
 # spheroid: `make demo` and `make test` do all set-up on a fresh clone.
 #
-# TORCH is the torch requirement pip installs before anything else. The default takes a CPU build
-# (on the project's dev machines it lies on local disk); on a GPU machine use, for example,
-#   make TORCH='torch==2.13.0' PIP_TORCH_FLAGS='--index-url https://download.pytorch.org/whl/cu128' install
-# A bare `torch` requirement would pull a multi-GB CUDA build, so setup.cfg never installs it first.
+# TORCH is the torch requirement, installed before anything else so that no other requirement can
+# pull a torch build of its own choosing. The default, torch==2.13.0, is a CPU build on this
+# project's machines (pip finds it on local disk). Elsewhere, pass pip the index of the build you
+# want through PIP_TORCH_FLAGS (for example `--index-url <PyTorch's CPU wheel index>`), or a CUDA
+# build on a GPU machine: `make TORCH='torch==2.13.0' PIP_TORCH_FLAGS='--index-url <CUDA index>' test`.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PIP_TORCH_FLAGS ?=
 DATA ?= $(if $(wildcard ../shared/data/wikitext),../shared/data/wikitext,$(SPHEROID_DATA))
 PY := $(VENV)/bin/python
+SPHEROID := $(VENV)/bin/spheroid
+# the demo's model: small enough to train four blocks and the reference in a few minutes on 2 cores
+DEMO_OUT ?= runs/demo
+DEMO_FLAGS ?= --steps 300 --d-model 64 --context 64 --batch 32
 STAMP := $(VENV)/.installed
 
 export SPHEROID_DATA := $(DATA)
@@ -33,7 +38,11 @@ lint: install
 	$(PY) -m ruff check spheroid bench tests
 
 demo: install
-	$(PY) -m spheroid.demo --out runs/demo
+	for b in 0 1 2 3; do $(SPHEROID) train --block $$b $(DEMO_FLAGS) --out $(DEMO_OUT) || exit 1; done
+	$(SPHEROID) train --reference $(DEMO_FLAGS) --out $(DEMO_OUT)
+	$(SPHEROID) eval $(DEMO_OUT) --windows 64
+	$(SPHEROID) generate $(DEMO_OUT) --prompt " = Robert Boulter = " --bytes 160 --temperature 0.7
+	@echo "checkpoint: $(DEMO_OUT)"
 
 bench-ci: install
 	$(PY) bench/quality.py --preset ci
