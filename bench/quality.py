@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from spheroid import checkpoint
 from spheroid.config import ModelConfig, NoiseConfig, RunConfig, TrainConfig
 from spheroid.data import fixed_windows, load_bytes
 from spheroid.train import evaluate_chain, evaluate_reference, pick_device
@@ -158,7 +157,8 @@ def plot(curve: list[dict], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="ci")
-    parser.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/quality-<preset>.json)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON results (default bench/results/quality-<preset>.json)")
     parser.add_argument("--work", type=Path, default=None, help="checkpoints and logs (default runs/quality-<preset>)")
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"), help="WikiText folder")
     parser.add_argument("--device", default=None, help="torch device (default cuda when present)")

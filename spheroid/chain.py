@@ -20,6 +20,43 @@ from .noise import sigma_grid
 
 
 @torch.no_grad()
+def chain_state(
+    blocks: Sequence[DiffusionBlock],
+    noise: NoiseConfig,
+    codebook: torch.Tensor,
+    x: torch.Tensor,
+    n_noisy: int,
+    generator: torch.Generator | None,
+    steps: int | None = None,
+    start: int = 0,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """z after the first `steps` grid steps (all of them by default) from z = sigma_max * eps.
+
+    x: (B, L) clean context. Step i is taken by block i // steps_per_block, so with one step per
+    block each block runs once. With churn > 0 (a stochastic sampler, as EDM's) each step first
+    re-injects fresh noise up to sigma_hat = sigma * (1 + churn). Returns z (B, n_noisy, d).
+    """
+    grid = sigma_grid(noise, len(blocks)).tolist()
+    steps = len(grid) - 1 if steps is None else steps
+    b, d = x.shape[0], codebook.shape[1]
+    device = generator.device if generator is not None else codebook.device
+    z = grid[0] * torch.randn(b, n_noisy, d, generator=generator, device=device).to(codebook.device)
+    for i in range(steps):
+        sigma = grid[i]
+        if noise.churn > 0 and i > 0:
+            sigma_hat = min(sigma * (1 + noise.churn), noise.sigma_max)
+            fresh = torch.randn(b, n_noisy, d, generator=generator, device=device).to(codebook.device)
+            z = z + (sigma_hat**2 - sigma**2) ** 0.5 * fresh
+            sigma = sigma_hat
+        block = blocks[i // noise.steps_per_block]
+        logits = block(x, z, torch.full((b,), sigma, device=x.device), start, chunk)
+        d_hat = fn.softmax(logits.float(), dim=-1) @ codebook  # expected clean embedding
+        z = z + (grid[i + 1] - sigma) * (z - d_hat) / sigma
+    return z
+
+
+@torch.no_grad()
 def denoise(
     blocks: Sequence[DiffusionBlock],
     noise: NoiseConfig,
@@ -30,21 +67,10 @@ def denoise(
     start: int = 0,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """Run the whole chain from z = sigma_max * eps; return the final logits (B, n_noisy, V).
-
-    x: (B, L) clean context. Step i of the grid is taken by block i // steps_per_block, so with
-    one step per block each block runs once; the last block also reads off the final logits.
-    """
-    grid = sigma_grid(noise, len(blocks)).tolist()
-    b = x.shape[0]
-    eps = torch.randn(b, n_noisy, codebook.shape[1], generator=generator, device=generator.device)
-    z = grid[0] * eps.to(codebook.device)
-    for i in range(len(grid) - 1):
-        block = blocks[i // noise.steps_per_block]
-        logits = block(x, z, torch.full((b,), grid[i], device=x.device), start, chunk)
-        d_hat = fn.softmax(logits.float(), dim=-1) @ codebook  # expected clean embedding
-        z = z + (grid[i + 1] - grid[i]) * (z - d_hat) / grid[i]
-    return blocks[-1](x, z, torch.full((b,), grid[-1], device=x.device), start, chunk).float()
+    """Run the whole chain from pure noise; the last block reads off the final logits (B, n_noisy, V)."""
+    z = chain_state(blocks, noise, codebook, x, n_noisy, generator, None, start, chunk)
+    sigma_min = torch.full((x.shape[0],), noise.sigma_min, device=x.device)
+    return blocks[-1](x, z, sigma_min, start, chunk).float()
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -13,8 +15,13 @@ import torch
 
 from . import checkpoint
 from .chain import generate as run_chain
-from .config import RunConfig, override
+from .config import NodeConfig, RunConfig, override
 from .data import DataError, fixed_windows, load_bytes
+from .node.client import fetch_status
+from .node.connection import PeerGone
+from .node.identity import IdentityError
+from .node.identity import load_or_create as load_identity
+from .node.node import Node
 from .train import (
     evaluate_chain,
     evaluate_reference,
@@ -23,6 +30,7 @@ from .train import (
     train_block,
     train_reference,
 )
+from .wire import ProtocolError
 
 log = logging.getLogger("spheroid")
 
@@ -38,7 +46,7 @@ def fail_clearly(func):
     def wrapper(*args, **kwargs):
         try:
             return func(*args, **kwargs)
-        except (DataError, checkpoint.CheckpointError, ValueError, FloatingPointError) as exc:
+        except (DataError, checkpoint.CheckpointError, IdentityError, ValueError, FloatingPointError) as exc:
             raise Failure(str(exc)) from exc
 
     return wrapper
@@ -92,6 +100,14 @@ def load_config(config_file: str | None, **model_noise_train) -> RunConfig:
               help="Blocks of the model (for --reference: depth is n_blocks x layers_per_block).")
 @click.option("--context", "model__context", type=int)
 @click.option("--codebook-seed", "model__codebook_seed", type=int)
+@click.option("--codebook-norm", "model__codebook_norm", type=float)
+@click.option("--p-mean", "noise__p_mean", type=float)
+@click.option("--p-std", "noise__p_std", type=float)
+@click.option("--sigma-min", "noise__sigma_min", type=float)
+@click.option("--sigma-max", "noise__sigma_max", type=float)
+@click.option("--block-input", "train__block_input", type=click.Choice(["noised", "chain"]),
+              help="noised: e(y) + sigma eps (method.md); chain: states of the earlier blocks' chain, "
+                   "which must already be in --out.")
 @click.option("--save-every", type=int, default=0, help="Also snapshot into OUT/steps/<step>/ every N steps.")
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Write wall time, FLOPs and peak memory as JSON.")
 @data_option
@@ -121,13 +137,16 @@ def train(block, reference, out, config_file, save_every, metrics, data_dir, dev
 @click.option("--variant", type=click.Choice(["tokens", "raw"]), default="tokens", show_default=True)
 @click.option("--k", "chunk", type=int, default=None, help="Chunk size of the attention mask (default: trained K).")
 @click.option("--draws", type=int, default=8, show_default=True, help="M: noise draws averaged.")
+@click.option("--steps-per-block", type=int, default=None, help="Euler steps per block (default: as trained).")
+@click.option("--churn", type=float, default=None, help="Stochastic sampler: noise re-injected per step.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--windows", type=int, default=256, show_default=True, help="Evaluation windows, evenly spaced.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @data_option
 @device_option
 @fail_clearly
-def evaluate(ckpt, split, variant, chunk, draws, seed, windows, as_json, data_dir, device) -> None:
+def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, windows, as_json, data_dir,
+             device) -> None:
     """CE of the chain in CKPT started from pure noise with a clean context (and of a reference there)."""
     dev = pick_device(device)
     results: dict[str, float | int | str] = {"split": f"wiki.{split}.{variant}", "draws": draws}
@@ -139,7 +158,9 @@ def evaluate(ckpt, split, variant, chunk, draws, seed, windows, as_json, data_di
     win = fixed_windows(load_bytes(data_dir, split, variant), windows, context + 1)
     results["bytes"] = win.shape[0] * context
     if have_blocks:
-        chain, alone = evaluate_chain(ckpt, win, draws, seed, dev, chunk)
+        trained = checkpoint.load(ckpt, "block-0").config.noise
+        noise = override(trained, steps_per_block=steps_per_block, churn=churn)
+        chain, alone = evaluate_chain(ckpt, win, draws, seed, dev, chunk, noise)
         results.update(chain_ce_m1=chain.ce_one_draw, chain_ce=chain.ce_averaged, block0_alone_ce=alone)
     if have_reference:
         results["reference_ce"] = evaluate_reference(ckpt, win, dev)
@@ -152,7 +173,8 @@ def evaluate(ckpt, split, variant, chunk, draws, seed, windows, as_json, data_di
     for key, label in rows:
         if key in results:
             ce = float(results[key])
-            click.echo(f"  {label:<30} CE {ce:.4f} nats/byte  {ce / 0.6931472:.4f} bits/byte  PPL {2.718281828**ce:.3f}")
+            bits, ppl = ce / math.log(2), math.exp(ce)
+            click.echo(f"  {label:<30} CE {ce:.4f} nats/byte  {bits:.4f} bits/byte  PPL {ppl:.3f}")
 
 
 @main.command()
@@ -171,6 +193,84 @@ def generate(ckpt, prompt, n_bytes, chunk, temperature, seed, device) -> None:
     gen = torch.Generator(dev).manual_seed(seed)
     text = run_chain(blocks, cfg.noise, codebook, prompt.encode(), n_bytes, chunk, temperature, gen)
     click.echo(prompt + text.decode("utf-8", errors="replace"))
+
+
+def run_async(coro) -> None:
+    """Run a coroutine on uvloop when it is installed, else on plain asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+def read_secret(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    secret = Path(path).read_bytes().strip()
+    if not secret:
+        raise Failure(f"secret file {path} is empty: put a long random string in it")
+    return secret
+
+
+def tls_options(func):
+    for name, text in (("--tls-ca", "CA certificate: verify peers against it (mutual TLS)."),
+                       ("--tls-key", "TLS private key (PEM)."), ("--tls-cert", "TLS certificate (PEM).")):
+        func = click.option(name, type=click.Path(exists=True, dir_okay=False), help=text)(func)
+    return func
+
+
+@main.command()
+@click.option("--listen", default="127.0.0.1:7400", show_default=True, help="HOST:PORT to serve on.")
+@click.option("--peer", "peers", multiple=True, help="Seed peer HOST:PORT (repeatable).")
+@click.option("--announce", default="", help="HOST:PORT peers should dial, when it differs from --listen (NAT).")
+@click.option("--swarm", default="spheroid", show_default=True, help="Swarm id: nodes of other swarms are refused.")
+@click.option("--secret-file", type=click.Path(exists=True, dir_okay=False),
+              help="Swarm secret: peers must prove they hold it before anything else is accepted.")
+@click.option("--identity", default="node-identity.json", show_default=True,
+              help="Node identity file, created on first run; the peer table is saved beside it.")
+@click.option("--role", default="worker", show_default=True)
+@click.option("--block", "blocks", type=int, multiple=True, help="Block(s) this node holds (repeatable).")
+@click.option("--status-interval", type=float, default=5.0, show_default=True, help="Seconds between status lines.")
+@tls_options
+@fail_clearly
+def node(listen, peers, announce, swarm, secret_file, identity, role, blocks, status_interval, tls_cert, tls_key,
+         tls_ca) -> None:
+    """Run a node: serve the protocol, join the swarm through --peer, until Ctrl-C."""
+    cfg = NodeConfig(listen=listen, peers=tuple(peers), announce=announce, swarm=swarm, identity=identity, role=role,
+                     blocks=tuple(blocks), status_interval=status_interval, tls_cert=tls_cert, tls_key=tls_key,
+                     tls_ca=tls_ca)
+    secret = read_secret(secret_file)
+    ident = load_identity(cfg.identity)
+    try:
+        run_async(Node(cfg, ident, secret).run())
+    except OSError as exc:
+        raise Failure(f"cannot serve on {listen}: {exc}") from exc
+    finally:
+        ident.release()
+
+
+@main.command()
+@click.option("--peer", required=True, help="HOST:PORT of the node to ask.")
+@click.option("--swarm", default="spheroid", show_default=True)
+@click.option("--secret-file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--timeout", type=float, default=10.0, show_default=True)
+@tls_options
+@fail_clearly
+def status(peer, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) -> None:
+    """Print a node's status (identity, peers, traffic counters) as JSON."""
+    cfg = NodeConfig(swarm=swarm, role="client", timeout=timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
+    result: dict = {}
+
+    async def ask() -> None:
+        result.update(await fetch_status(peer, cfg, read_secret(secret_file)))
+
+    try:
+        run_async(ask())
+    except (OSError, TimeoutError, PeerGone, ProtocolError) as exc:
+        raise Failure(f"cannot get the status of {peer}: {exc}") from exc
+    click.echo(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -47,12 +47,15 @@ class NoiseConfig:
     overlap: float = 0.1  # gamma: each band is widened by (hi/lo)**gamma in log space
     sigma_data: float = 0.5
     steps_per_block: int = 1  # Euler steps each block takes in the inference chain
+    churn: float = 0.0  # stochastic sampler: before each step, re-inject noise up to sigma * (1 + churn)
 
     def __post_init__(self) -> None:
         if not 0 < self.sigma_min < self.sigma_max:
             raise ValueError(f"need 0 < sigma_min < sigma_max, got {self.sigma_min}, {self.sigma_max}")
         if self.p_std <= 0 or self.sigma_data <= 0 or self.overlap < 0 or self.steps_per_block < 1:
             raise ValueError("p_std and sigma_data must be positive, overlap >= 0, steps_per_block >= 1")
+        if self.churn < 0:
+            raise ValueError(f"churn must be >= 0, got {self.churn}")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,16 @@ class TrainConfig:
     warmup: int = 100
     grad_clip: float = 1.0
     seed: int = 0
+    # what a block learns to denoise: "noised" = e(y) + sigma * eps (DiffusionBlocks, method.md), or
+    # "chain" = the states the chain of the earlier, frozen blocks produces from pure noise (a change
+    # of method: the worker of block b also holds blocks 0..b-1, forward only, and still updates b alone)
+    block_input: str = "noised"
+
+    def __post_init__(self) -> None:
+        if self.block_input not in ("noised", "chain"):
+            raise ValueError(f"block_input must be 'noised' or 'chain', got {self.block_input!r}")
+        if self.steps < 1 or self.batch < 1 or self.lr <= 0:
+            raise ValueError("steps and batch must be at least 1 and lr positive")
 
 
 @dataclass(frozen=True)
@@ -111,3 +124,46 @@ def _build(kind: type, data: dict[str, Any]) -> Any:
 def override(config: Any, **changes: Any) -> Any:
     """A copy of a (nested) config with the non-None values of `changes` applied."""
     return dataclasses.replace(config, **{k: v for k, v in changes.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One node of the swarm: where it listens, whom it knows, how it proves it belongs."""
+
+    listen: str = "127.0.0.1:7400"
+    announce: str = ""  # the address peers should dial (for NAT or port forwarding); default: listen
+    peers: tuple[str, ...] = ()  # seed addresses, re-contacted now and then so a split swarm heals
+    swarm: str = "spheroid"
+    identity: str = "node-identity.json"  # persistent node id; a lock keeps a second process off it
+    role: str = "worker"
+    blocks: tuple[int, ...] = ()
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    ping_interval: float = 2.0
+    gossip_interval: float = 3.0
+    seed_interval: float = 10.0
+    dead_after: float = 8.0  # a connection silent this long is dropped (pings keep live ones talking)
+    forget_after: float = 30.0  # a peer neither connected nor advertised this long is forgotten
+    status_interval: float = 5.0
+    timeout: float = 10.0  # every wait for a peer: connect, handshake, drain, reply
+    max_peers: int = 64
+    recv_budget: int = 1 << 30  # bytes of incoming tensor streams held per connection
+
+    def __post_init__(self) -> None:
+        for addr in (self.listen, *self.peers, *([self.announce] if self.announce else [])):
+            parse_addr(addr)
+        if self.ping_interval <= 0 or self.dead_after <= self.ping_interval:
+            raise ValueError("need 0 < ping_interval < dead_after")
+
+    @property
+    def address(self) -> str:
+        return self.announce or self.listen
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """'host:port' -> (host, port), with a clear error for anything else."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {addr!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)

@@ -21,11 +21,11 @@ import torch.nn.functional as fn
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import checkpoint
-from .chain import ChainScore, score, score_block_alone
-from .config import RunConfig
+from .chain import ChainScore, chain_state, score, score_block_alone
+from .config import NoiseConfig, RunConfig
 from .data import random_windows
 from .model import DiffusionBlock, Reference, make_codebook
-from .noise import loss_weight, sample_sigma, training_band
+from .noise import loss_weight, sample_sigma, sigma_grid, training_band
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,32 @@ def block_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook: torc
     return loss
 
 
+def chain_state_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook: torch.Tensor,
+                     earlier: list[DiffusionBlock]) -> LossFn:
+    """CE of block `index` on the states the chain actually reaches (block_input = "chain").
+
+    Each batch picks one of the grid levels this block reads at inference (its own steps, and the
+    final read-off at sigma_min for the last block), runs the chain from pure noise up to that level
+    with the frozen earlier blocks (and this block's own earlier steps), without gradients, and
+    trains this block to predict the bytes from there. No gradient crosses a block boundary.
+    """
+    spb, n_blocks = cfg.noise.steps_per_block, cfg.model.n_blocks
+    levels = list(range(index * spb, (index + 1) * spb)) + ([n_blocks * spb] if index == n_blocks - 1 else [])
+    grid = sigma_grid(cfg.noise, n_blocks).tolist()
+    stack = [*earlier, block]
+
+    def loss(windows: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:
+        x, y = windows[:, :-1], windows[:, 1:]
+        level = levels[int(torch.randint(len(levels), (1,), generator=gen))]
+        with autocast(x.device):
+            z = chain_state(stack, cfg.noise, codebook, x, x.shape[1], None, steps=level)
+            logits = block(x, z.float(), torch.full((x.shape[0],), grid[level], device=x.device))
+        ce = fn.cross_entropy(logits.float().transpose(1, 2), y)
+        return ce, ce.item()
+
+    return loss
+
+
 def reference_loss(model: Reference) -> LossFn:
     """Next-byte CE of the end-to-end reference."""
 
@@ -105,6 +131,7 @@ class FitResult:
     final_ce: float
     peak_rss_mb: float
     rss_before_training_mb: float
+    peak_gpu_mb: float  # torch's peak allocated device memory; 0 on the CPU
 
 
 def fit(
@@ -158,7 +185,8 @@ def fit(
     wall = time.monotonic() - started
     state = {"step": t.steps, "loss": loss_value, "ce": ce_value, "wall_s": wall, **(state_extra or {})}
     checkpoint.save(out, name, model, cfg, state)
-    return FitResult(wall, flops_per_step, loss_value, ce_value, peak_rss_mb(), rss_before)
+    gpu = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+    return FitResult(wall, flops_per_step, loss_value, ce_value, peak_rss_mb(), rss_before, gpu)
 
 
 def train_step(
@@ -181,11 +209,17 @@ def train_block(cfg: RunConfig, index: int, data: torch.Tensor, out: Path, devic
     torch.manual_seed(cfg.train.seed * 1000 + index)
     block = DiffusionBlock(cfg.model, cfg.noise.sigma_data).to(device)
     codebook = make_codebook(cfg.model).to(device)
-    lo, hi = training_band(cfg.noise, cfg.model.n_blocks, index)
-    log.info("block %d: %d parameters, noise band [%.3f, %.3f] with overlap", index,
-             sum(p.numel() for p in block.parameters()), lo, hi)
-    return fit(block, block_loss(block, cfg, index, codebook), cfg, data, checkpoint.block_name(index),
-               out, {"block": index}, save_every)
+    if cfg.train.block_input == "chain":
+        earlier = [load_block(out, b, cfg, device) for b in range(index)]
+        loss_fn = chain_state_loss(block, cfg, index, codebook, earlier)
+        log.info("block %d: %d parameters, trained on chain states of %d frozen earlier block(s)", index,
+                 sum(p.numel() for p in block.parameters()), index)
+    else:
+        loss_fn = block_loss(block, cfg, index, codebook)
+        lo, hi = training_band(cfg.noise, cfg.model.n_blocks, index)
+        log.info("block %d: %d parameters, noise band [%.3f, %.3f] with overlap", index,
+                 sum(p.numel() for p in block.parameters()), lo, hi)
+    return fit(block, loss_fn, cfg, data, checkpoint.block_name(index), out, {"block": index}, save_every)
 
 
 def train_reference(cfg: RunConfig, data: torch.Tensor, out: Path, device: torch.device,
@@ -205,12 +239,23 @@ def load_chain(folder: str | Path, device: torch.device) -> tuple[RunConfig, lis
     """The assembled model in a checkpoint folder: its config, its blocks (eval mode) and codebook."""
     entries = checkpoint.load_blocks(folder)
     cfg = entries[0].config
-    blocks = []
-    for e in entries:
-        block = DiffusionBlock(cfg.model, cfg.noise.sigma_data)
-        load_state(block, e)
-        blocks.append(block.to(device).eval())
-    return cfg, blocks, make_codebook(cfg.model).to(device)
+    return cfg, [block_from(e, cfg, device) for e in entries], make_codebook(cfg.model).to(device)
+
+
+def load_block(folder: str | Path, index: int, cfg: RunConfig, device: torch.device) -> DiffusionBlock:
+    """One trained block, frozen, checked to belong to the same model and noise schedule as cfg."""
+    entry = checkpoint.load(folder, checkpoint.block_name(index))
+    if entry.config.model != cfg.model or entry.config.noise != cfg.noise:
+        raise checkpoint.CheckpointError(
+            f"{entry.name} in {folder} was trained with another model or noise configuration than this run"
+        )
+    return block_from(entry, cfg, device).requires_grad_(False)
+
+
+def block_from(entry: checkpoint.Entry, cfg: RunConfig, device: torch.device) -> DiffusionBlock:
+    block = DiffusionBlock(cfg.model, cfg.noise.sigma_data)
+    load_state(block, entry)
+    return block.to(device).eval()
 
 
 def load_reference(folder: str | Path, device: torch.device) -> tuple[RunConfig, Reference]:
@@ -228,11 +273,14 @@ def load_state(module: torch.nn.Module, entry: checkpoint.Entry) -> None:
 
 
 def evaluate_chain(folder: str | Path, windows: torch.Tensor, draws: int, seed: int, device: torch.device,
-                   chunk: int | None = None) -> tuple[ChainScore, float]:
-    """CE of the chain from pure noise (one draw and `draws` averaged), and block 0 alone."""
+                   chunk: int | None = None, noise: NoiseConfig | None = None) -> tuple[ChainScore, float]:
+    """CE of the chain from pure noise (one draw and `draws` averaged), and block 0 alone.
+
+    `noise` may change how the chain is run (steps per block, churn); by default the trained one.
+    """
     cfg, blocks, codebook = load_chain(folder, device)
     gen = torch.Generator(device).manual_seed(seed)
-    chain = score(blocks, cfg.noise, codebook, windows, draws, gen, chunk=chunk)
+    chain = score(blocks, noise or cfg.noise, codebook, windows, draws, gen, chunk=chunk)
     alone = score_block_alone(blocks[0], cfg.noise, codebook, windows, gen)
     return chain, alone
 

@@ -3,10 +3,12 @@
 import pytest
 import torch
 
+from spheroid import checkpoint
 from spheroid.chain import denoise, generate, score
-from spheroid.config import ModelConfig, RunConfig
+from spheroid.checkpoint import CheckpointError
+from spheroid.config import ModelConfig, RunConfig, override
 from spheroid.model import DiffusionBlock, Reference, attention_mask, make_codebook
-from spheroid.train import block_loss, make_optimizer, train_step
+from spheroid.train import block_loss, make_optimizer, train_block, train_step
 
 from .conftest import randomize
 
@@ -127,3 +129,32 @@ def test_reference_is_causal(tiny):
     x2[0, 9:] = (x2[0, 9:] + 1) % 256
     torch.testing.assert_close(model(x2)[0, :9], model(x)[0, :9], rtol=0, atol=1e-5)
     assert len(model.layers) == tiny.model.n_blocks * tiny.model.layers_per_block
+
+
+def test_stochastic_sampler_is_seeded_and_differs_from_euler(tiny):
+    blocks = blocks_for(tiny)
+    codebook = make_codebook(tiny.model)
+    x = torch.randint(0, 256, (2, tiny.model.context), generator=torch.Generator().manual_seed(0))
+    churned = override(tiny.noise, churn=0.5)
+
+    def run(noise):
+        return denoise(blocks, noise, codebook, x, x.shape[1], torch.Generator().manual_seed(3))
+
+    torch.testing.assert_close(run(churned), run(churned), rtol=0, atol=0)
+    assert not torch.allclose(run(churned), run(tiny.noise))
+
+
+def test_chain_state_training_reads_frozen_earlier_blocks_and_updates_only_its_own(tiny, tmp_path):
+    cfg = RunConfig(model=tiny.model, noise=tiny.noise, train=override(tiny.train, block_input="chain"))
+    data = torch.randint(0, 256, (5000,), dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match="block-0.json is missing"):
+        train_block(cfg, 1, data, tmp_path, torch.device("cpu"))
+    train_block(cfg, 0, data, tmp_path, torch.device("cpu"))
+    block0 = (tmp_path / "block-0.safetensors").read_bytes()
+    train_block(cfg, 1, data, tmp_path, torch.device("cpu"))
+    assert (tmp_path / "block-0.safetensors").read_bytes() == block0
+    assert checkpoint.load(tmp_path, "block-1").config.train.block_input == "chain"
+    # a block trained for another noise schedule is refused as an earlier block
+    other = RunConfig(model=tiny.model, noise=override(tiny.noise, p_mean=0.0), train=cfg.train)
+    with pytest.raises(CheckpointError, match="another model or noise configuration"):
+        train_block(other, 1, data, tmp_path, torch.device("cpu"))

@@ -1,0 +1,137 @@
+"""Writes the golden vectors in proto/vectors/ from the reference codec (python proto/make_vectors.py).
+
+Each vector is NAME.json: {"frame": hex of the whole frame, "message": the message as JSON}, where
+bytes are {"$bin": hex} and a tensor is {"$tensor": {dtype, shape, codec, compression, values}}
+with `values` the decoded values, flattened. Encoding the message with the tensor's codec must give
+`frame` exactly; decoding `frame` must give `message`. Invalid frames go to vectors/invalid/ with the
+error code a decoder must raise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from spheroid.wire import EncodedTensor, decode_body, encode, encode_tensor
+
+HERE = Path(__file__).parent / "vectors"
+
+
+def to_json(value):
+    if isinstance(value, bytes):
+        return {"$bin": value.hex()}
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_json(v) for v in value]
+    return value
+
+
+def from_json(value):
+    """JSON -> message, tensors as EncodedTensor with the vector's codec (so encoding is exact)."""
+    if isinstance(value, dict) and "$bin" in value:
+        return bytes.fromhex(value["$bin"])
+    if isinstance(value, dict) and "$tensor" in value:
+        t = value["$tensor"]
+        dtype = getattr(torch, t["dtype"])
+        tensor = torch.tensor(t["values"], dtype=torch.float64).to(dtype).view(t["shape"])
+        return EncodedTensor(encode_tensor(tensor, t["codec"], t["compression"]))
+    if isinstance(value, dict):
+        return {k: from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_json(v) for v in value]
+    return value
+
+
+def with_decoded_values(message, decoded):
+    """The vector's message with every tensor's values replaced by what decoding gives."""
+    if isinstance(message, dict) and "$tensor" in message:
+        return {"$tensor": {**message["$tensor"], "values": decoded.reshape(-1).tolist()}}
+    if isinstance(message, dict) and "$bin" not in message:
+        return {k: with_decoded_values(v, decoded[k]) for k, v in message.items()}
+    if isinstance(message, list):
+        return [with_decoded_values(m, d) for m, d in zip(message, decoded, strict=True)]
+    return message
+
+
+def tensor_json(values, shape, dtype="float32", codec="raw", compression="none"):
+    return {"$tensor": {"dtype": dtype, "shape": shape, "codec": codec, "compression": compression,
+                        "values": values}}
+
+
+VALID = {
+    "hello": {"t": "hello", "id": 1, "version": 1, "swarm": "spheroid", "node": "0f" * 16,
+              "addr": "10.0.0.1:7400", "role": "worker", "blocks": [2], "nonce": {"$bin": "a5" * 16},
+              "auth": True, "boot": {"$bin": "01" * 8}},
+    "auth": {"t": "auth", "id": 2, "mac": {"$bin": "5c" * 32}},
+    "ping": {"t": "ping", "id": 3, "ts": 12.5},
+    "pong": {"t": "pong", "id": 9, "re": 3, "ts": 12.5},
+    "peers": {"t": "peers", "id": 4},
+    "peers_reply": {"t": "peers_reply", "id": 10, "re": 4, "peers": [
+        {"node": "1e" * 16, "addr": "10.0.0.2:7400", "role": "worker", "blocks": [0, 1]}]},
+    "status": {"t": "status", "id": 5},
+    "status_reply": {"t": "status_reply", "id": 11, "re": 5, "status": {"node": "0f" * 16, "peers": []}},
+    "error": {"t": "error", "id": 6, "code": "swarm", "message": "swarm 'x' is not 'spheroid'"},
+    "bye": {"t": "bye", "id": 7, "reason": "shutdown"},
+    "stream_begin": {"t": "stream_begin", "id": 12, "stream": 1, "dtype": "float32", "shape": [2, 3],
+                     "chunks": 2, "chunk_elems": 4},
+    "stream_chunk_raw": {"t": "stream_chunk", "id": 13, "stream": 1, "seq": 0,
+                         "data": tensor_json([1.0, -2.5, 0.25, 3.0], [4])},
+    "stream_chunk_fp16": {"t": "stream_chunk", "id": 14, "stream": 1, "seq": 1,
+                          "data": tensor_json([0.5, -1.75], [2], codec="fp16")},
+    "stream_chunk_bf16": {"t": "stream_chunk", "id": 15, "stream": 2, "seq": 0,
+                          "data": tensor_json([1.0, 2.0, -0.5], [3], codec="bf16")},
+    "stream_chunk_int8": {"t": "stream_chunk", "id": 16, "stream": 3, "seq": 0,
+                          "data": tensor_json([1.0, -0.5, 0.0, 0.25], [4], codec="int8")},
+    "stream_chunk_lz4": {"t": "stream_chunk", "id": 17, "stream": 4, "seq": 0,
+                         "data": tensor_json([0.0] * 256, [256], compression="lz4")},
+    "tensor_int64": {"t": "status_reply", "id": 18, "re": 5,
+                     "status": {"counts": tensor_json([1, 2, 3], [3], "int64")}},
+    "probe": {"t": "probe", "id": 19, "streams": [1, 2]},
+    "probe_reply": {"t": "probe_reply", "id": 20, "re": 19, "elements": 9, "bytes": 36},
+}
+
+INVALID = {
+    "zero_length": ("00000000", "bad_frame"),
+    "not_a_map": ("0000000190", "bad_message"),  # a frame holding [] (an empty array)
+    "unknown_type": (None, "unknown_type"),
+    "wrong_field_type": (None, "bad_field"),
+    "unknown_extension": (None, "unknown_ext"),
+    "tensor_size_mismatch": (None, "bad_tensor"),
+}
+
+
+def invalid_frames() -> dict[str, tuple[str, str]]:
+    import msgpack
+
+    def frame(body: bytes) -> str:
+        return (len(body).to_bytes(4, "big") + body).hex()
+
+    out = dict(INVALID)
+    out["unknown_type"] = (frame(msgpack.packb({"t": "launch", "id": 1})), "unknown_type")
+    out["wrong_field_type"] = (frame(msgpack.packb({"t": "ping", "id": 1, "ts": "noon"})), "bad_field")
+    out["unknown_extension"] = (frame(msgpack.packb({"t": "ping", "id": 1, "ts": msgpack.ExtType(7, b"x")})),
+                                "unknown_ext")
+    bad = msgpack.packb(["float32", [4], "raw", "none", b"\x00" * 12, b"", 0])
+    out["tensor_size_mismatch"] = (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
+                                                        "data": msgpack.ExtType(1, bad)})), "bad_tensor")
+    return out
+
+
+def main() -> None:
+    HERE.mkdir(exist_ok=True)
+    (HERE / "invalid").mkdir(exist_ok=True)
+    for name, message in VALID.items():
+        frame = encode(from_json(message))
+        message = with_decoded_values(message, decode_body(frame[4:]))  # lossy codecs: what arrives
+        (HERE / f"{name}.json").write_text(json.dumps({"frame": frame.hex(), "message": message}, indent=1) + "\n")
+    for name, (frame_hex, code) in invalid_frames().items():
+        (HERE / "invalid" / f"{name}.json").write_text(json.dumps({"frame": frame_hex, "error": code}, indent=1) + "\n")
+    print(f"wrote {len(VALID)} valid and {len(INVALID)} invalid vectors to {HERE}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The node: asyncio server, connections, membership, accounting, identity; and a client."""

@@ -1,0 +1,52 @@
+"""Traffic accounting: frames and bytes per peer and per message type, raw and on-wire."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Counter:
+    frames: int = 0
+    wire_bytes: int = 0  # bytes on the socket: the frame header and the body as sent
+    raw_bytes: int = 0  # what the payload is worth uncompressed (tensor data in its own dtype)
+
+    def add(self, other: Counter) -> None:
+        self.frames += other.frames
+        self.wire_bytes += other.wire_bytes
+        self.raw_bytes += other.raw_bytes
+
+
+Key = tuple[str, str, str]  # (direction, peer, message type)
+
+
+class Traffic:
+    """Counters keyed by (direction "sent"/"received", peer, message type)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[Key, Counter] = defaultdict(Counter)
+
+    def count(self, direction: str, peer: str, kind: str, wire: int, raw: int | None = None) -> None:
+        self._counts[(direction, peer, kind)].add(Counter(1, wire, wire if raw is None else raw))
+
+    def _sum(self, peer: str | None, group: Callable[[Key], str]) -> dict:
+        out: dict[str, dict[str, Counter]] = {"sent": defaultdict(Counter), "received": defaultdict(Counter)}
+        for key, c in self._counts.items():
+            if peer is None or key[1] == peer:
+                out[key[0]][group(key)].add(c)
+        return {d: {k: asdict(v) for k, v in groups.items()} for d, groups in out.items()}
+
+    def totals(self, peer: str | None = None) -> dict:
+        """{"sent": counter, "received": counter}, over all peers or for one."""
+        summed = self._sum(peer, lambda key: "all")
+        return {d: groups.get("all", asdict(Counter())) for d, groups in summed.items()}
+
+    def by_type(self, peer: str | None = None) -> dict:
+        """{direction: {message type: counter}}, over all peers or for one."""
+        return self._sum(peer, lambda key: key[2])
+
+    def by_peer(self) -> dict:
+        """{direction: {peer: counter}}."""
+        return self._sum(None, lambda key: key[1])

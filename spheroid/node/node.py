@@ -1,0 +1,368 @@
+"""The node: one asyncio process with a TCP server, an authenticated handshake and gossip membership.
+
+Every connection, inbound or outbound, starts with the handshake (`hello` both ways, then `auth`
+both ways when the swarm has a secret); nothing else is accepted before it completes. After that
+the node answers pings, peer lists and status requests, and runs four loops: ping (RTT and
+liveness), gossip (swap peer lists, dial peers it learns of), seeds (re-dial the seed list so a
+split swarm heals) and a status line. A connection that stays silent past `dead_after` is dropped;
+a peer that is neither connected nor advertised for `forget_after` is forgotten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import signal
+import ssl
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..checkpoint import atomic_write
+from ..config import NodeConfig, parse_addr
+from ..wire import VERSION, ProtocolError
+from ..wire.messages import validate_peer
+from .accounting import Traffic
+from .connection import Connection, PeerGone
+from .identity import Identity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerInfo:
+    node: str
+    addr: str
+    role: str
+    blocks: list[int]
+    last_seen: float = field(default_factory=time.monotonic)
+    rtt_ms: float | None = None
+
+    def entry(self) -> dict:
+        return {"node": self.node, "addr": self.addr, "role": self.role, "blocks": self.blocks}
+
+
+def auth_mac(secret: bytes, swarm: str, their_nonce: bytes, my_nonce: bytes, my_node: str) -> bytes:
+    """What a node sends to prove it holds the secret: an HMAC over the peer's fresh nonce."""
+    return hmac.new(secret, b"spheroid-auth-v1|" + swarm.encode() + b"|" + their_nonce + my_nonce
+                    + my_node.encode(), hashlib.sha256).digest()
+
+
+async def handshake(conn: Connection, me: dict, swarm: str, secret: bytes | None) -> dict:
+    """Both sides send hello; with a secret both then prove it. Returns the peer's hello.
+
+    `me` holds this side's node, addr, role, blocks and boot fields. Nothing but hello, auth and
+    error is accepted before this returns; any mismatch is a ProtocolError to answer and close on.
+    """
+    nonce = os.urandom(16)
+    await conn.send({"t": "hello", "version": VERSION, "swarm": swarm, **me, "nonce": nonce,
+                     "auth": secret is not None})
+    hello = await conn.recv()
+    if hello["t"] == "error":
+        raise PeerGone(f"{conn.remote} refused us: {hello['code']}: {hello['message']}")
+    if hello["t"] != "hello":
+        raise ProtocolError("handshake", f"expected hello, got {hello['t']}")
+    if hello["version"] != VERSION:
+        raise ProtocolError("version", f"protocol version {hello['version']} is not {VERSION}; upgrade one side")
+    if hello["swarm"] != swarm:
+        raise ProtocolError("swarm", f"swarm {hello['swarm']!r} is not {swarm!r}")
+    if hello["auth"] != (secret is not None):
+        raise ProtocolError("auth_required", "one side has a swarm secret and the other has none")
+    if hello["node"] == me["node"]:
+        raise ProtocolError("self", "connected to itself")
+    if len(hello["nonce"]) < 16:
+        raise ProtocolError("handshake", "nonce must be at least 16 bytes")
+    conn.label = hello["node"]
+    if secret is not None:
+        await conn.send({"t": "auth", "mac": auth_mac(secret, swarm, hello["nonce"], nonce, me["node"])})
+        proof = await conn.recv()
+        if proof["t"] == "error":
+            raise PeerGone(f"{conn.remote} refused us: {proof['code']}: {proof['message']}")
+        expected = auth_mac(secret, swarm, nonce, hello["nonce"], hello["node"])
+        if proof["t"] != "auth" or not hmac.compare_digest(proof["mac"], expected):
+            raise ProtocolError("auth_failed", "authentication failed: wrong swarm secret")
+    conn.hello = hello
+    return hello
+
+
+def ssl_contexts(cfg: NodeConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """(server, client) TLS contexts, or (None, None) without --tls-cert. A CA makes TLS mutual."""
+    if not cfg.tls_cert:
+        return None, None
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=cfg.tls_ca)
+    server.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.tls_ca)
+    client.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    client.check_hostname = False  # peers are addressed by IP; the swarm's CA is what is trusted
+    if cfg.tls_ca:
+        server.verify_mode = ssl.CERT_REQUIRED
+    else:
+        client.verify_mode = ssl.CERT_NONE
+    return server, client
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig, identity: Identity, secret: bytes | None = None) -> None:
+        self.cfg = cfg
+        self.id = identity.node_id
+        self.identity = identity
+        self.secret = secret
+        self.traffic = Traffic()
+        self.conns: dict[str, Connection] = {}
+        self.known: dict[str, PeerInfo] = {}
+        self.started = time.monotonic()
+        self.boot = os.urandom(8)  # tells peers a restarted node from a second connection of this one
+        self._dialing: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._server: asyncio.Server | None = None
+        self._stopped = asyncio.Event()
+        self._ssl_server, self._ssl_client = ssl_contexts(cfg)
+        self.state_file = Path(f"{cfg.identity}.peers.json")
+
+    # --- life cycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        host, port = parse_addr(self.cfg.listen)
+        self._server = await asyncio.start_server(self._on_inbound, host, port, ssl=self._ssl_server)
+        log.info("node %s listening on %s (swarm %s, role %s%s)", self.id[:8], self.cfg.listen, self.cfg.swarm,
+                 self.cfg.role, ", authenticated" if self.secret else "")
+        for loop in (self._ping_loop, self._gossip_loop, self._seed_loop, self._status_loop):
+            self._spawn(loop())
+
+    async def run(self) -> None:
+        """Start, serve until SIGINT/SIGTERM, then shut down cleanly."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stopped.set)
+        await self.start()
+        await self._stopped.wait()
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Say goodbye to every peer, close everything, write the peer table."""
+        log.info("node %s stopping", self.id[:8])
+        if self._server:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for conn in list(self.conns.values()):
+            with contextlib.suppress(PeerGone):
+                await conn.send({"t": "bye", "reason": "shutdown"})
+            await conn.close()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.write_state()
+        self.identity.release()
+
+    def write_state(self) -> None:
+        entries = [p.entry() for p in self.known.values()]
+        atomic_write(self.state_file, json.dumps({"node": self.id, "peers": entries}, indent=1).encode())
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # --- connections ------------------------------------------------------------------------------
+
+    async def _on_inbound(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(reader, writer, self.traffic, self.cfg.timeout, self.cfg.recv_budget)
+        await self._admit(conn)
+
+    async def dial(self, addr: str) -> Connection | None:
+        """Connect to addr and run the handshake; None (and a log line) if that fails."""
+        if addr in self._dialing or addr == self.cfg.address:
+            return None
+        self._dialing.add(addr)
+        try:
+            host, port = parse_addr(addr)
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(host, port, ssl=self._ssl_client), self.cfg.timeout)
+        except (OSError, TimeoutError, ssl.SSLError) as exc:
+            log.debug("cannot reach %s: %r", addr, exc)
+            self._dialing.discard(addr)
+            return None
+        conn = Connection(reader, writer, self.traffic, self.cfg.timeout, self.cfg.recv_budget)
+        conn.outbound = True
+        admitted = asyncio.get_running_loop().create_future()
+        self._spawn(self._admit(conn, admitted))
+        try:
+            return conn if await admitted else None
+        finally:
+            self._dialing.discard(addr)
+
+    async def _admit(self, conn: Connection, admitted: asyncio.Future | None = None) -> None:
+        """Handshake, register, then serve the connection until it ends."""
+        try:
+            hello = await self._handshake(conn)
+        except ProtocolError as exc:
+            log.warning("refused %s: %s", conn.remote, exc.message)
+            await conn.refuse(exc)
+        except PeerGone as exc:
+            log.info("handshake with %s failed: %s", conn.remote, exc)
+            await conn.close()
+        else:
+            if hello["role"] != "client" and not self._register(conn, hello):
+                await conn.close()
+                if admitted is not None:
+                    admitted.set_result(False)
+                return
+            if admitted is not None:
+                admitted.set_result(True)
+            await conn.serve(self._handle, self.cfg.dead_after)
+            if self.conns.get(conn.label) is conn:
+                del self.conns[conn.label]
+                log.info("peer %s (%s) disconnected", conn.label[:8], hello["addr"])
+        if admitted is not None and not admitted.done():
+            admitted.set_result(False)
+
+    async def _handshake(self, conn: Connection) -> dict:
+        me = {"node": self.id, "addr": self.cfg.address, "role": self.cfg.role, "blocks": list(self.cfg.blocks),
+              "boot": self.boot}
+        hello = await handshake(conn, me, self.cfg.swarm, self.secret)
+        existing = self.conns.get(hello["node"])
+        if existing is not None and not existing.closed and existing.hello.get("addr") != hello["addr"]:
+            raise ProtocolError("duplicate_identity", f"node {hello['node'][:8]} is already connected from "
+                                                      f"{existing.hello.get('addr')}")
+        return hello
+
+    def _register(self, conn: Connection, hello: dict) -> bool:
+        """Make conn the connection to its peer; False if an equivalent one is kept instead.
+
+        A second connection to the same peer comes from a restart (another boot id: the old one is
+        stale and goes) or from both sides dialling at once (same boot id: both sides keep the one
+        dialled by the smaller node id, so they agree without a word).
+        """
+        existing = self.conns.get(conn.label)
+        if existing is not None and not existing.closed and existing.hello["boot"] == hello["boot"]:
+            initiator = self.id if conn.outbound else conn.label
+            if initiator != min(self.id, conn.label):
+                log.debug("duplicate connection to %s; keeping the other one", conn.label[:8])
+                return False
+        self.conns[conn.label] = conn
+        if existing is not None and existing is not conn:
+            self._spawn(existing.close())
+        info = self.known.get(conn.label)
+        if info is None:
+            log.info("peer %s joined from %s (role %s, blocks %s)", conn.label[:8], hello["addr"], hello["role"],
+                     hello["blocks"])
+        self.known[conn.label] = PeerInfo(conn.label, hello["addr"], hello["role"], hello["blocks"],
+                                          rtt_ms=info.rtt_ms if info else None)
+        return True
+
+    # --- messages ---------------------------------------------------------------------------------
+
+    async def _handle(self, conn: Connection, msg: dict) -> None:
+        kind = msg["t"]
+        if kind == "ping":
+            await conn.send({"t": "pong", "re": msg["id"], "ts": msg["ts"]})
+        elif kind == "pong":
+            info = self.known.get(conn.label)
+            if info:
+                info.rtt_ms = (time.monotonic() - msg["ts"]) * 1000
+                info.last_seen = time.monotonic()
+        elif kind == "peers":
+            entries = [self.known[n].entry() for n in self.conns if n in self.known]
+            await conn.send({"t": "peers_reply", "re": msg["id"], "peers": entries})
+        elif kind == "status":
+            await conn.send({"t": "status_reply", "re": msg["id"], "status": self.status()})
+        elif kind == "probe":
+            elements = nbytes = 0
+            for stream in msg["streams"]:
+                if not isinstance(stream, int):
+                    raise ProtocolError("bad_field", "probe: streams must be stream ids")
+                tensor = conn.streams.take(stream)
+                elements += tensor.numel()
+                nbytes += tensor.numel() * tensor.element_size()
+            await conn.send({"t": "probe_reply", "re": msg["id"], "elements": elements, "bytes": nbytes})
+        elif kind == "bye":
+            raise PeerGone(f"{conn.label[:8]} said goodbye ({msg['reason']})")
+        elif kind == "error":
+            raise PeerGone(f"{conn.label[:8]} reported {msg['code']}: {msg['message']}")
+        else:
+            raise ProtocolError("unexpected", f"a node does not accept {kind} here")
+
+    # --- loops ------------------------------------------------------------------------------------
+
+    async def _ping_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.ping_interval)
+            for conn in list(self.conns.values()):
+                with contextlib.suppress(PeerGone):
+                    await conn.send({"t": "ping", "ts": time.monotonic()})
+
+    async def _gossip_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.gossip_interval)
+            await self.gossip_once()
+
+    async def gossip_once(self) -> None:
+        """Ask every connected peer for its peers, learn new ones, dial them, forget stale ones."""
+        now = time.monotonic()
+        for conn in list(self.conns.values()):
+            try:
+                reply = await conn.request({"t": "peers"})
+                for entry in reply["peers"]:
+                    self._learn(validate_peer(entry), now)
+            except (PeerGone, ProtocolError) as exc:
+                log.debug("gossip with %s failed: %s", conn.label[:8], exc)
+        for node in [n for n in self.conns if n in self.known]:
+            self.known[node].last_seen = now
+        for node, info in list(self.known.items()):
+            if node not in self.conns and now - info.last_seen > self.cfg.forget_after:
+                log.info("forgetting peer %s (%s): unreachable for %.0fs", node[:8], info.addr, now - info.last_seen)
+                del self.known[node]
+        to_dial = [i.addr for n, i in self.known.items() if n not in self.conns and i.addr]
+        room = max(0, self.cfg.max_peers - len(self.conns))
+        await asyncio.gather(*(self.dial(addr) for addr in to_dial[:room]))
+
+    def _learn(self, entry: dict, now: float) -> None:
+        node = entry["node"]
+        if node == self.id or entry["role"] == "client":
+            return
+        info = self.known.get(node)
+        if info is None:
+            self.known[node] = PeerInfo(node, entry["addr"], entry["role"], list(entry["blocks"]), now)
+        elif node not in self.conns:
+            info.last_seen = now  # someone is still connected to it
+
+    async def _seed_loop(self) -> None:
+        while True:
+            connected = {c.hello.get("addr") for c in self.conns.values()}
+            await asyncio.gather(*(self.dial(a) for a in self.cfg.peers if a not in connected))
+            await asyncio.sleep(self.cfg.seed_interval)
+
+    async def _status_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.status_interval)
+            log.info("%s", self.status_line())
+
+    # --- status -----------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        peers = []
+        for node, conn in self.conns.items():
+            info = self.known.get(node)
+            peers.append({"node": node, "addr": conn.hello.get("addr"), "role": conn.hello.get("role"),
+                          "blocks": conn.hello.get("blocks"), "rtt_ms": info.rtt_ms if info else None,
+                          "traffic": self.traffic.totals(node)})
+        return {
+            "node": self.id, "swarm": self.cfg.swarm, "addr": self.cfg.address, "role": self.cfg.role,
+            "blocks": list(self.cfg.blocks), "version": VERSION, "uptime_s": time.monotonic() - self.started,
+            "authenticated": self.secret is not None, "tls": self._ssl_server is not None,
+            "peers": sorted(peers, key=lambda p: p["node"]), "known": len(self.known),
+            "traffic": self.traffic.totals(), "traffic_by_type": self.traffic.by_type(),
+        }
+
+    def status_line(self) -> str:
+        totals = self.traffic.totals()
+        rtts = [i.rtt_ms for n, i in self.known.items() if n in self.conns and i.rtt_ms is not None]
+        rtt = f"{sum(rtts) / len(rtts):.1f} ms" if rtts else "-"
+        return (f"node {self.id[:8]} | peers {len(self.conns)} connected, {len(self.known)} known | "
+                f"sent {totals['sent']['wire_bytes'] / 2**20:.2f} MiB, received "
+                f"{totals['received']['wire_bytes'] / 2**20:.2f} MiB | mean RTT {rtt}")

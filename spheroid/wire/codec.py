@@ -1,0 +1,126 @@
+"""Frames and messages, sans I/O: `encode(message) -> bytes` and a `Decoder` fed bytes.
+
+A frame is a 4-byte big-endian length N followed by N bytes of msgpack. The length is checked
+against the limit before any byte of the body is buffered, the body is unpacked with msgpack's own
+limits, extension types other than the tensor are refused, and the result is checked against the
+message schema. Nothing here touches a socket, so every property is tested on plain bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import msgpack
+import torch
+
+from .errors import ProtocolError
+from .messages import validate
+from .tensors import DEFAULT_LIMITS, EXT_TENSOR, Limits, decode_tensor, encode_tensor
+
+HEADER = struct.Struct(">I")
+MAX_FRAME = 4 << 20  # 4 MiB: a stream chunk (up to 1 MiB of tensor data) fits with room to spare
+MAX_STR = 1 << 16
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """A tensor already turned into its extension payload (for encoding off the event loop)."""
+
+    payload: bytes
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, EncodedTensor):
+        return msgpack.ExtType(EXT_TENSOR, obj.payload)
+    if isinstance(obj, torch.Tensor):
+        return msgpack.ExtType(EXT_TENSOR, encode_tensor(obj))
+    raise TypeError(f"cannot send a {type(obj).__name__} on the wire")
+
+
+def encode(message: dict, max_frame: int = MAX_FRAME) -> bytes:
+    """One message as one frame. Tensors travel raw unless given as EncodedTensor."""
+    body = msgpack.packb(message, default=_default, use_bin_type=True)
+    if len(body) > max_frame:
+        raise ValueError(f"{message.get('t')} message of {len(body)} bytes exceeds the frame limit of {max_frame}; "
+                         "send large tensors as a stream")
+    return HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS) -> dict:
+    """One frame body -> a validated message."""
+
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code != EXT_TENSOR:
+            raise ProtocolError("unknown_ext", f"extension type {code} is not part of the protocol")
+        return decode_tensor(data, limits)
+
+    try:
+        message = msgpack.unpackb(
+            body, ext_hook=ext_hook, raw=False, strict_map_key=True,
+            max_str_len=MAX_STR, max_bin_len=max_frame, max_array_len=1 << 16, max_map_len=1 << 12,
+            max_ext_len=max_frame,
+        )
+    except ProtocolError:
+        raise
+    except msgpack.exceptions.StackError:
+        raise ProtocolError("too_deep", "message nests too deeply") from None
+    except msgpack.exceptions.ExtraData:
+        raise ProtocolError("bad_frame", "frame holds bytes after its message") from None
+    except (ValueError, TypeError, msgpack.exceptions.UnpackException) as exc:
+        raise ProtocolError("bad_msgpack", f"frame body is not valid msgpack within limits: {exc}") from None
+    return validate(message)
+
+
+class Received(NamedTuple):
+    message: dict
+    size: int  # bytes the frame took on the wire, header included
+
+
+class Decoder:
+    """Feed it bytes as they arrive; it returns the complete messages, or raises ProtocolError.
+
+    After an error the decoder is dead: the connection must be closed, since the byte stream can
+    no longer be trusted to be aligned on frames.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.max_frame = max_frame
+        self.limits = limits
+        self._buffer = bytearray()
+        self._need: int | None = None  # body length of the frame being read, once its header is in
+        self._failed = False
+
+    def feed(self, data: bytes) -> list[Received]:
+        if self._failed:
+            raise ProtocolError("dead_decoder", "this decoder already failed; close the connection")
+        self._buffer += data
+        messages = []
+        try:
+            while True:
+                if self._need is None:
+                    if len(self._buffer) < HEADER.size:
+                        break
+                    (length,) = HEADER.unpack_from(self._buffer)
+                    if length == 0:
+                        raise ProtocolError("bad_frame", "zero-length frame")
+                    if length > self.max_frame:
+                        raise ProtocolError("too_large", f"frame of {length} bytes exceeds {self.max_frame}")
+                    del self._buffer[: HEADER.size]
+                    self._need = length
+                if len(self._buffer) < self._need:
+                    break
+                body = bytes(self._buffer[: self._need])
+                del self._buffer[: self._need]
+                self._need = None
+                messages.append(Received(decode_body(body, self.max_frame, self.limits), HEADER.size + len(body)))
+        except ProtocolError:
+            self._failed = True
+            raise
+        return messages
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held that do not yet form a complete frame (0 between frames)."""
+        return len(self._buffer) + (HEADER.size if self._need is not None else 0)

@@ -1,0 +1,125 @@
+"""Large tensors as streams of chunk frames, sans I/O.
+
+The sender announces a stream (dtype, shape, number of chunks, elements per chunk), then sends
+the flattened tensor in order, one `stream_chunk` frame per slice, each slice encoded on its own
+(so encoding and compression work on about 1 MiB at a time, and can run off the event loop). The
+receiver allocates the tensor once, when the stream is announced and only within its memory
+budget, and copies each decoded slice into place: memory stays bounded by the budget, and nothing
+is buffered twice.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import torch
+
+from .codec import EncodedTensor, encode
+from .errors import ProtocolError
+from .tensors import DEFAULT_LIMITS, DTYPE_NAMES, DTYPES, Limits, encode_tensor
+
+CHUNK_BYTES = 1 << 20
+
+
+class Outgoing(NamedTuple):
+    kind: str  # message type
+    frame: bytes
+    raw: int  # bytes of tensor data the frame carries, before any codec (the frame size otherwise)
+
+
+def stream_frames(
+    tensor: torch.Tensor, stream: int, next_id: Callable[[], int], codec: str = "raw",
+    compression: str = "none", chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[Outgoing]:
+    """Frames that carry `tensor` as stream `stream`: a stream_begin, then the chunks in order.
+
+    Lazy: each chunk is encoded when the iterator reaches it, so a caller can run `next()` in a
+    worker thread and keep the event loop free.
+    """
+    flat = tensor.detach().to("cpu").contiguous().view(-1)
+    chunk_elems = max(1, chunk_bytes // flat.element_size())
+    chunks = math.ceil(flat.numel() / chunk_elems)
+    begin = encode({"t": "stream_begin", "id": next_id(), "stream": stream, "dtype": DTYPE_NAMES[flat.dtype],
+                    "shape": list(tensor.shape), "chunks": chunks, "chunk_elems": chunk_elems})
+    yield Outgoing("stream_begin", begin, len(begin))
+    for seq in range(chunks):
+        piece = flat[seq * chunk_elems : (seq + 1) * chunk_elems]
+        frame = encode({"t": "stream_chunk", "id": next_id(), "stream": stream, "seq": seq,
+                        "data": EncodedTensor(encode_tensor(piece, codec, compression))})
+        yield Outgoing("stream_chunk", frame, piece.numel() * piece.element_size())
+
+
+class _Partial:
+    def __init__(self, out: torch.Tensor, shape: list[int], chunks: int, chunk_elems: int) -> None:
+        self.out, self.shape, self.chunks, self.chunk_elems = out, shape, chunks, chunk_elems
+        self.next_seq = 0
+
+
+class StreamAssembler:
+    """Reassembles the streams of one connection within a memory budget (bytes)."""
+
+    def __init__(self, budget: int = 1 << 30, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.budget = budget
+        self.limits = limits
+        self._partial: dict[int, _Partial] = {}
+        self._done: dict[int, torch.Tensor] = {}
+        self.held = 0  # bytes allocated for partial and completed, untaken streams
+
+    def begin(self, msg: dict) -> None:
+        stream, dtype, shape = msg["stream"], msg["dtype"], msg["shape"]
+        if stream in self._partial or stream in self._done:
+            raise ProtocolError("bad_stream", f"stream {stream} is already open")
+        if dtype not in DTYPES:
+            raise ProtocolError("bad_stream", f"unknown dtype {dtype!r}")
+        if len(shape) > self.limits.max_dims or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise ProtocolError("bad_stream", "stream shape must be a short list of non-negative integers")
+        numel = math.prod(shape)
+        if msg["chunk_elems"] < 1 or msg["chunks"] != math.ceil(numel / msg["chunk_elems"]):
+            raise ProtocolError("bad_stream", f"{msg['chunks']} chunks of {msg['chunk_elems']} do not cover {numel}")
+        nbytes = numel * DTYPES[dtype].itemsize
+        if self.held + nbytes > self.budget:
+            raise ProtocolError("too_large", f"stream of {nbytes} bytes exceeds the receive budget "
+                                             f"({self.held} of {self.budget} bytes held)")
+        self.held += nbytes
+        part = _Partial(torch.empty(numel, dtype=DTYPES[dtype]), shape, msg["chunks"], msg["chunk_elems"])
+        if part.chunks == 0:
+            self._done[stream] = part.out.view(shape)
+        else:
+            self._partial[stream] = part
+
+    def chunk(self, msg: dict) -> int | None:
+        """Place one chunk; returns the stream id when this chunk completed it."""
+        stream = msg["stream"]
+        part = self._partial.get(stream)
+        if part is None:
+            raise ProtocolError("bad_stream", f"chunk for stream {stream}, which is not open")
+        if msg["seq"] != part.next_seq:
+            raise ProtocolError("bad_stream", f"stream {stream}: chunk {msg['seq']} arrived, {part.next_seq} expected")
+        lo = part.next_seq * part.chunk_elems
+        hi = min(lo + part.chunk_elems, part.out.numel())
+        data = msg["data"]
+        if data.dtype != part.out.dtype or data.numel() != hi - lo:
+            raise ProtocolError("bad_stream", f"stream {stream} chunk {msg['seq']}: expected {hi - lo} "
+                                              f"{part.out.dtype}, got {data.numel()} {data.dtype}")
+        part.out[lo:hi] = data.reshape(-1)
+        part.next_seq += 1
+        if part.next_seq < part.chunks:
+            return None
+        del self._partial[stream]
+        self._done[stream] = part.out.view(part.shape)
+        return stream
+
+    def take(self, stream: int) -> torch.Tensor:
+        """A completed stream's tensor; its memory leaves the budget."""
+        if stream not in self._done:
+            raise ProtocolError("bad_stream", f"stream {stream} is not complete")
+        tensor = self._done.pop(stream)
+        self.held -= tensor.numel() * tensor.element_size()
+        return tensor
+
+    def clear(self) -> None:
+        self._partial.clear()
+        self._done.clear()
+        self.held = 0

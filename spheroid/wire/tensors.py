@@ -1,0 +1,160 @@
+"""Tensors on the wire: the msgpack extension type and its codecs (raw, fp16, bf16, int8; lz4 on top).
+
+Extension type 1 carries one tensor. Its payload is itself a msgpack array:
+
+    [dtype, shape, codec, compression, data, scales, block]
+
+`dtype` is the tensor's dtype after decoding; `codec` says how `data` holds the values ("raw": in
+dtype itself; "fp16"/"bf16": cast; "int8": symmetric int8 with one float32 scale per `block`
+elements, in `scales`); `compression` is "none" or "lz4" (block format, size not stored: the
+receiver knows it). All numbers are little-endian. Nothing here can execute code: a payload is
+checked against its header (sizes, dtype, codec) before any buffer is allocated from it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import lz4.block
+import msgpack
+import torch
+
+from .errors import ProtocolError
+
+if sys.byteorder != "little":  # the wire is little-endian and tensors are copied as they lie in memory
+    raise ImportError("spheroid's wire codec supports little-endian hosts only")
+
+EXT_TENSOR = 1
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "int8": torch.int8, "uint8": torch.uint8,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = {"float32", "float16", "bfloat16"}
+CODECS = ("raw", "fp16", "bf16", "int8")
+COMPRESSIONS = ("none", "lz4")
+INT8_BLOCK = 4096  # elements per int8 scale
+INT8_ERROR = 0.5 / 127  # int8's worst-case error, relative to the largest magnitude of a block
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds a decoder enforces before it allocates anything for a tensor."""
+
+    max_elements: int = 1 << 28
+    max_dims: int = 8
+
+
+DEFAULT_LIMITS = Limits()
+
+def codec_itemsize(dtype: str, codec: str) -> int:
+    if codec == "raw":
+        return DTYPES[dtype].itemsize
+    return {"fp16": 2, "bf16": 2, "int8": 1}[codec]
+
+
+def encode_tensor(tensor: torch.Tensor, codec: str = "raw", compression: str = "none") -> bytes:
+    """A tensor as the payload of extension type 1. lz4 is kept only if it shrinks the data."""
+    dtype = DTYPE_NAMES.get(tensor.dtype)
+    if dtype is None:
+        raise ValueError(f"dtype {tensor.dtype} cannot travel; use one of {sorted(DTYPES)}")
+    if codec not in CODECS or compression not in COMPRESSIONS:
+        raise ValueError(f"codec must be one of {CODECS} and compression one of {COMPRESSIONS}")
+    if codec != "raw" and dtype not in FLOAT_DTYPES:
+        raise ValueError(f"codec {codec} applies to floating-point tensors, not {dtype}")
+    flat = tensor.detach().to("cpu").contiguous().view(-1)
+    scales, block = b"", 0
+    if codec == "raw":
+        data = as_bytes(flat)
+    elif codec == "fp16":
+        data = as_bytes(flat.to(torch.float16))
+    elif codec == "bf16":
+        data = as_bytes(flat.to(torch.bfloat16))
+    else:
+        q, s = quantize_int8(flat.float(), INT8_BLOCK)
+        data, scales, block = as_bytes(q), as_bytes(s), INT8_BLOCK
+    if compression == "lz4":
+        packed = lz4.block.compress(data, store_size=False)
+        if len(packed) < len(data):
+            data = packed
+        else:
+            compression = "none"
+    return msgpack.packb([dtype, list(tensor.shape), codec, compression, data, scales, block])
+
+
+def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+    """Extension payload -> tensor, or ProtocolError naming what is wrong with it."""
+    try:
+        fields = msgpack.unpackb(payload, max_array_len=16, max_map_len=0, max_str_len=16)
+    except Exception as exc:
+        raise ProtocolError("bad_tensor", f"tensor header is not msgpack: {exc}") from None
+    if not isinstance(fields, list) or len(fields) != 7:
+        raise ProtocolError("bad_tensor", "tensor header must be [dtype, shape, codec, compression, data, "
+                                          "scales, block]")
+    dtype, shape, codec, compression, data, scales, block = fields
+    if dtype not in DTYPES:
+        raise ProtocolError("bad_tensor", f"unknown dtype {dtype!r}")
+    if codec not in CODECS or compression not in COMPRESSIONS:
+        raise ProtocolError("bad_tensor", f"unknown codec {codec!r} or compression {compression!r}")
+    if codec != "raw" and dtype not in FLOAT_DTYPES:
+        raise ProtocolError("bad_tensor", f"codec {codec} is only for floating-point dtypes, not {dtype}")
+    if (not isinstance(shape, list) or len(shape) > limits.max_dims
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+        raise ProtocolError("bad_tensor", f"shape must be at most {limits.max_dims} non-negative integers")
+    if not isinstance(data, bytes) or not isinstance(scales, bytes) or not isinstance(block, int):
+        raise ProtocolError("bad_tensor", "data and scales must be bin, block an integer")
+    numel = math.prod(shape)
+    if numel > limits.max_elements:
+        raise ProtocolError("too_large", f"tensor of {numel} elements exceeds the limit of {limits.max_elements}")
+    expected = numel * codec_itemsize(dtype, codec)
+    if compression == "lz4":
+        try:
+            data = lz4.block.decompress(data, uncompressed_size=expected)
+        except lz4.block.LZ4BlockError as exc:
+            raise ProtocolError("bad_tensor", f"lz4 data does not decompress to {expected} bytes: {exc}") from None
+    if len(data) != expected:
+        raise ProtocolError("bad_tensor", f"shape {shape} of {dtype}/{codec} needs {expected} bytes, got {len(data)}")
+    if codec == "raw":
+        flat = from_bytes(data, DTYPES[dtype])
+    elif codec in ("fp16", "bf16"):
+        flat = from_bytes(data, torch.float16 if codec == "fp16" else torch.bfloat16).to(DTYPES[dtype])
+    else:
+        n_scales = -(-numel // block) if block > 0 else -1
+        if block <= 0 or len(scales) != 4 * n_scales:
+            raise ProtocolError("bad_tensor", f"int8 needs block > 0 and {max(n_scales, 0)} float32 scales")
+        flat = dequantize_int8(from_bytes(data, torch.int8), from_bytes(scales, torch.float32), block)
+        flat = flat.to(DTYPES[dtype])
+    return flat.view(shape)
+
+
+def quantize_int8(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per `block` elements: q = round(x / s), s = max|x| / 127."""
+    n = flat.numel()
+    padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
+    scales = padded.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(padded / scales[:, None]).clamp(-127, 127).to(torch.int8).view(-1)[:n]
+    return q, scales.float()
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    n = q.numel()
+    padded = torch.nn.functional.pad(q.float(), (0, -n % block)).view(-1, block)
+    return (padded * scales[:, None]).view(-1)[:n]
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    """Raw bytes of a contiguous CPU tensor (little-endian: this module refuses big-endian hosts)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.contiguous().numpy().tobytes()
+
+
+def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=dtype)
+    if dtype == torch.bfloat16:
+        return torch.frombuffer(bytearray(data), dtype=torch.int16).view(torch.bfloat16)
+    return torch.frombuffer(bytearray(data), dtype=dtype)

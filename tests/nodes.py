@@ -1,0 +1,116 @@
+"""Helpers to run real nodes as separate processes through the CLI, and to talk to them raw."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from spheroid.config import NodeConfig
+from spheroid.node.client import fetch_status
+from spheroid.wire import VERSION, Decoder, encode
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class NodeProcess:
+    """`spheroid node` in its own process, reaped by stop() (tests call it in a finally/fixture)."""
+
+    def __init__(self, folder: Path, name: str, *args: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.identity = folder / f"{name}.json"
+        self.log = folder / f"{name}.log"
+        self.args = args
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> NodeProcess:
+        cmd = [sys.executable, "-m", "spheroid", "node", "--listen", self.addr, "--identity", str(self.identity),
+               "--status-interval", "1", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "a"), stderr=subprocess.STDOUT)
+        return self
+
+    def status(self, **kwargs) -> dict:
+        return asyncio.run(fetch_status(self.addr, NodeConfig(role="client", timeout=5, **kwargs.pop("cfg", {})),
+                                        **kwargs))
+
+    def wait_ready(self, timeout: float = 30.0, **kwargs) -> dict:
+        return wait_until(lambda: self.status(**kwargs), timeout, f"node {self.addr} to answer status")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=20)
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def wait_until(check: Callable, timeout: float, what: str, interval: float = 0.3):
+    """Poll check() until it returns a truthy value (exceptions count as not yet)."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+            last = value
+        except Exception as exc:  # noqa: BLE001 - anything means "not yet"
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def hello(**fields) -> dict:
+    base = {"t": "hello", "id": 1, "version": VERSION, "swarm": "spheroid", "node": os.urandom(16).hex(),
+            "addr": "", "role": "client", "blocks": [], "nonce": os.urandom(16), "auth": False,
+            "boot": os.urandom(8)}
+    return {**base, **fields}
+
+
+def raw_exchange(addr: str, frames: list[bytes], timeout: float = 10.0) -> list[dict]:
+    """Send frames on a fresh connection, read until the node closes; the messages it sent back."""
+    host, port = addr.split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        for f in frames:
+            try:
+                sock.sendall(f)
+            except OSError:
+                break
+        decoder, got = Decoder(), []
+        while True:
+            try:
+                data = sock.recv(1 << 16)
+            except OSError:
+                break
+            if not data:
+                break
+            got += [m for m, _ in decoder.feed(data)]
+            if got and got[-1]["t"] == "error":
+                break
+        return got
+
+
+def handshake_then(addr: str, *frames: bytes) -> list[dict]:
+    """A valid (secret-less) handshake, then frames; what came back."""
+    return raw_exchange(addr, [encode(hello()), *frames])

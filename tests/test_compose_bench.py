@@ -1,0 +1,28 @@
+"""`bench/compose.py --preset ci` end to end: every variant gets a row, reused blocks are not retrained."""
+
+import json
+import subprocess
+import sys
+
+from .conftest import ROOT
+
+
+def test_compose_ci_preset_writes_one_row_per_variant(tmp_path, data_dir):
+    out = tmp_path / "compose.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "compose.py"), "--preset", "ci", "--out", str(out),
+         "--work", str(tmp_path / "work"), "--data", str(data_dir), "--device", "cpu"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["variants"]}
+    assert list(rows) == ["paper", "paper_2steps", "chain_input"]
+    assert rows["paper_2steps"]["reuses"] == "paper" and rows["paper_2steps"]["train_wall_s"] == 0
+    assert rows["paper_2steps"]["config"]["noise"]["steps_per_block"] == 2
+    assert rows["chain_input"]["method_change"] and rows["chain_input"]["config"]["train"]["block_input"] == "chain"
+    for r in rows.values():
+        assert 0 < r["blocktrain_ce"] <= r["blocktrain_ce_m1"] + 1e-6 < 6.5
+        assert r["gap"] == r["blocktrain_ce"] - result["references"]["reference"]["ce"]
+    assert (tmp_path / "compose.png").stat().st_size > 1000
+    assert "chain_input" in proc.stdout

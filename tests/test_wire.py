@@ -1,0 +1,192 @@
+"""The sans-I/O codec: golden vectors both ways, round trips, limits, and every malformed-input class."""
+
+import itertools
+import json
+import random
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from proto.make_vectors import from_json
+from spheroid.wire import (
+    SCHEMAS,
+    Decoder,
+    ProtocolError,
+    StreamAssembler,
+    decode_tensor,
+    encode,
+    encode_tensor,
+    stream_frames,
+)
+from spheroid.wire.tensors import INT8_ERROR
+
+VECTORS = Path(__file__).resolve().parents[1] / "proto" / "vectors"
+
+
+def to_plain(value):
+    """A decoded message in the vectors' JSON form (tensors as their values) for comparison."""
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": str(value.dtype).removeprefix("torch."),
+                "values": value.reshape(-1).tolist()}
+    if isinstance(value, bytes):
+        return {"$bin": value.hex()}
+    if isinstance(value, dict):
+        if "$tensor" in value:
+            t = value["$tensor"]
+            return {"shape": t["shape"], "dtype": t["dtype"], "values": t["values"]}
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_plain(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("path", sorted(VECTORS.glob("*.json")), ids=lambda p: p.stem)
+def test_golden_vectors_both_ways(path):
+    vector = json.loads(path.read_text())
+    frame = bytes.fromhex(vector["frame"])
+    assert encode(from_json(vector["message"])) == frame
+    [(message, size)] = Decoder().feed(frame)
+    assert size == len(frame)
+    assert to_plain(message) == to_plain(vector["message"])
+
+
+@pytest.mark.parametrize("path", sorted((VECTORS / "invalid").glob("*.json")), ids=lambda p: p.stem)
+def test_invalid_vectors_raise_their_error_code(path):
+    vector = json.loads(path.read_text())
+    with pytest.raises(ProtocolError) as err:
+        Decoder().feed(bytes.fromhex(vector["frame"]))
+    assert err.value.code == vector["error"]
+
+
+def test_every_message_type_has_a_vector():
+    names = {json.loads(p.read_text())["message"]["t"] for p in VECTORS.glob("*.json")}
+    assert names == set(SCHEMAS)
+
+
+def test_decoder_takes_any_split_of_the_byte_stream():
+    frames = b"".join(encode({"t": "ping", "id": i, "ts": float(i)}) for i in range(50))
+    rng = random.Random(0)
+    decoder, got, pos = Decoder(), [], 0
+    while pos < len(frames):
+        step = rng.randint(1, 9)
+        got += [m["id"] for m, _ in decoder.feed(frames[pos : pos + step])]
+        pos += step
+    assert got == list(range(50)) and decoder.buffered == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("codec", ["raw", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("compression", ["none", "lz4"])
+def test_tensor_round_trip_within_the_codecs_bound(dtype, codec, compression):
+    t = (torch.randn(37, 129, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    back = decode_tensor(encode_tensor(t, codec, compression))
+    assert back.dtype == dtype and back.shape == t.shape
+    err = (back.float() - t.float()).abs()
+    if codec == "raw":
+        assert torch.equal(back, t)  # lossless
+    elif codec == "int8":  # plus the rounding back to a 16-bit dtype, if that is what it was
+        cast = {torch.float32: 0.0, torch.float16: 2**-11, torch.bfloat16: 2**-8}[dtype]
+        assert (err <= INT8_ERROR * t.float().abs().max() * 1.001 + t.float().abs() * 2 * cast + 1e-6).all()
+    else:  # a cast: half an ulp of the narrower type
+        eps = {"fp16": 2**-11, "bf16": 2**-8}[codec]
+        assert (err <= t.float().abs() * eps * 1.001 + 1e-6).all()
+
+
+def test_integer_tensors_travel_raw_only():
+    t = torch.arange(10, dtype=torch.int64)
+    assert torch.equal(decode_tensor(encode_tensor(t, "raw", "lz4")), t)
+    with pytest.raises(ValueError, match="floating-point"):
+        encode_tensor(t, "fp16")
+
+
+def test_lz4_is_used_only_when_it_shrinks():
+    zeros = msgpack.unpackb(encode_tensor(torch.zeros(4096), "raw", "lz4"))
+    noise = msgpack.unpackb(encode_tensor(torch.randn(4096), "raw", "lz4"))
+    assert zeros[3] == "lz4" and len(zeros[4]) < 1000
+    assert noise[3] == "none" and len(noise[4]) == 4 * 4096
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_large_tensor_streams_in_bounded_chunks(codec):
+    t = torch.randn(3, 1000, 1000)
+    ids = itertools.count()
+    frames = list(stream_frames(t, 5, lambda: next(ids), codec, "lz4", chunk_bytes=1 << 20))
+    assert all(len(out.frame) <= (1 << 20) + 256 for out in frames)
+    assert len(frames) == 1 + 12  # 12 MB of float32 in 1 MiB chunks
+    decoder, streams = Decoder(), StreamAssembler(budget=t.numel() * 4)
+    for out in frames:
+        for msg, _ in decoder.feed(out.frame):
+            (streams.begin if msg["t"] == "stream_begin" else streams.chunk)(msg)
+    back = streams.take(5)
+    assert back.shape == t.shape and streams.held == 0
+    if codec == "raw":
+        assert torch.equal(back, t)
+    else:
+        assert (back - t).abs().max() <= INT8_ERROR * t.abs().max() * 1.001
+
+
+def test_stream_over_budget_or_out_of_order_is_refused():
+    ids = itertools.count()
+    frames = [out.frame for out in stream_frames(torch.zeros(1000), 1, lambda: next(ids), chunk_bytes=1024)]
+    with pytest.raises(ProtocolError, match="budget"):
+        StreamAssembler(budget=100).begin(Decoder().feed(frames[0])[0].message)
+    streams, decoder = StreamAssembler(), Decoder()
+    streams.begin(decoder.feed(frames[0])[0].message)
+    with pytest.raises(ProtocolError, match="chunk 1 arrived, 0 expected"):
+        streams.chunk(decoder.feed(frames[2])[0].message)
+
+
+def frame(body: bytes) -> bytes:
+    return len(body).to_bytes(4, "big") + body
+
+
+MALFORMED = {
+    "oversized length": (b"\x7f\xff\xff\xff", "too_large"),
+    "zero length": (b"\x00\x00\x00\x00", "bad_frame"),
+    "non-map body": (frame(msgpack.packb([1, 2])), "bad_message"),
+    "garbage body": (frame(b"\xc1\xc1\xc1"), "bad_msgpack"),
+    "trailing bytes": (frame(msgpack.packb({"t": "peers", "id": 1}) + b"\x00"), "bad_frame"),
+    "unknown type": (frame(msgpack.packb({"t": "format_disk", "id": 1})), "unknown_type"),
+    "missing field": (frame(msgpack.packb({"t": "ping", "id": 1})), "bad_field"),
+    "wrong field type": (frame(msgpack.packb({"t": "hello", "id": 1, "version": "1"})), "bad_field"),
+    "negative id": (frame(msgpack.packb({"t": "peers", "id": -1})), "bad_field"),
+    "deep nesting": (frame(b"\x82\xa1t\xa4ping\xa1x" + b"\x91" * 5000 + b"\x00"), "too_deep"),
+    "unknown extension": (frame(msgpack.packb({"t": "peers", "id": 1, "x": msgpack.ExtType(42, b"")})),
+                          "unknown_ext"),
+    "bad tensor header": (frame(msgpack.packb({"t": "peers", "id": 1, "x": msgpack.ExtType(1, b"\x92\x01\x02")})),
+                          "bad_tensor"),
+    "shape/bytes mismatch": (frame(msgpack.packb({"t": "peers", "id": 1, "x": msgpack.ExtType(
+        1, msgpack.packb(["float32", [10], "raw", "none", b"\x00" * 8, b"", 0]))})), "bad_tensor"),
+    "unknown dtype": (frame(msgpack.packb({"t": "peers", "id": 1, "x": msgpack.ExtType(
+        1, msgpack.packb(["object", [1], "raw", "none", b"\x00" * 8, b"", 0]))})), "bad_tensor"),
+    "huge shape": (frame(msgpack.packb({"t": "peers", "id": 1, "x": msgpack.ExtType(
+        1, msgpack.packb(["float32", [1 << 20, 1 << 20], "raw", "none", b"", b"", 0]))})), "too_large"),
+    "lz4 bomb": (frame(msgpack.packb({"t": "peers", "id": 1, "x": msgpack.ExtType(
+        1, msgpack.packb(["float32", [4], "raw", "lz4", b"\xff" * 40, b"", 0]))})), "bad_tensor"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_every_malformed_input_class_is_a_protocol_error(name):
+    data, code = MALFORMED[name]
+    decoder = Decoder()
+    with pytest.raises(ProtocolError) as err:
+        decoder.feed(data)
+    assert err.value.code == code
+    with pytest.raises(ProtocolError, match="already failed"):
+        decoder.feed(encode({"t": "peers", "id": 2}))
+
+
+def test_truncated_frame_waits_and_never_yields():
+    data = encode({"t": "status", "id": 1})
+    decoder = Decoder()
+    assert decoder.feed(data[:-1]) == [] and decoder.buffered == len(data) - 1
+
+
+def test_encoder_refuses_what_cannot_travel():
+    with pytest.raises(TypeError, match="cannot send"):
+        encode({"t": "ping", "id": 1, "ts": object()})
+    with pytest.raises(ValueError, match="frame limit"):
+        encode({"t": "status_reply", "id": 1, "status": {"x": b"\x00" * (5 << 20)}})
