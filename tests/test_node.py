@@ -186,3 +186,37 @@ def test_identity_is_persistent_and_exclusive(tmp_path):
         assert a.wait_ready()["node"] == first
     finally:
         a.stop()
+
+
+def test_tls_with_a_swarm_ca_and_announce(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=spheroid-test"], check=True, capture_output=True)
+    tls = ["--tls-cert", str(cert), "--tls-key", str(key), "--tls-ca", str(cert)]
+    cfg = {"tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(cert)}
+    a = NodeProcess(tmp_path, "a", *tls).start()
+    b = NodeProcess(tmp_path, "b", *tls, "--peer", a.addr)
+    b.args = (*b.args, "--announce", b.addr)  # announce what it listens on: peers must dial exactly this
+    b.start()
+    try:
+        assert a.wait_ready(cfg=cfg)["tls"]
+        b.wait_ready(cfg=cfg)
+        wait_until(lambda: [p["addr"] for p in a.status(cfg=cfg)["peers"]] == [b.addr], 30, "b to join a over TLS")
+        with pytest.raises((PeerGone, ConnectionError, OSError, TimeoutError)):
+            a.status()  # no TLS: refused
+    finally:
+        assert a.stop() == 0 and b.stop() == 0
+
+
+def test_sigint_stops_cleanly_and_writes_the_peer_table(tmp_path):
+    a = NodeProcess(tmp_path, "a").start()
+    b = NodeProcess(tmp_path, "b", "--peer", a.addr).start()
+    try:
+        b_id = b.wait_ready()["node"]
+        wait_until(lambda: a.status()["peers"], 30, "b to join a")
+    finally:
+        a.kill(signal.SIGINT)
+        b.stop()
+    assert a.proc.returncode == 0
+    state = json.loads(Path(f"{a.identity}.peers.json").read_text())
+    assert [p["node"] for p in state["peers"]] == [b_id]
