@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "peak_rss_block_mb": max(m["peak_rss_mb"] for m in blocks),
         "peak_rss_reference_mb": metrics["reference"]["peak_rss_mb"],
+        "peak_gpu_block_mb": max(m["peak_gpu_mb"] for m in blocks),  # torch's allocations; 0 on the CPU
+        "peak_gpu_reference_mb": metrics["reference"]["peak_gpu_mb"],
         "rss_before_training_block_mb": max(m["rss_before_training_mb"] for m in blocks),
         "rss_before_training_reference_mb": metrics["reference"]["rss_before_training_mb"],
         "curve": curve,
@@ -255,8 +257,12 @@ def print_table(r: dict) -> None:
         print(f"{name:<28} {ce:>15.4f} {ce_raw:>13.4f} {wall:>9.1f} {flops:>12.3e}")
     print(f"gap (M = {r['draws_m8']} minus reference): {r['gap']:+.4f} nats/byte")
     print(f"peak RSS: block worker {r['peak_rss_block_mb']:.0f} MiB, reference trainer "
-          f"{r['peak_rss_reference_mb']:.0f} MiB (ratio {r['peak_rss_ratio']:.2f}; "
-          f"training share only: {r['training_rss_ratio'] or float('nan'):.2f})")
+          f"{r['peak_rss_reference_mb']:.0f} MiB (ratio {r['peak_rss_ratio']:.2f}; above the "
+          f"{r['rss_before_training_reference_mb']:.0f} MiB held before training: "
+          f"{r['training_rss_ratio'] or float('nan'):.2f})")
+    if r["peak_gpu_reference_mb"]:
+        print(f"peak GPU memory: block worker {r['peak_gpu_block_mb']:.0f} MiB, reference trainer "
+              f"{r['peak_gpu_reference_mb']:.0f} MiB (ratio {r['peak_gpu_block_mb'] / r['peak_gpu_reference_mb']:.2f})")
 
 
 if __name__ == "__main__":

@@ -147,19 +147,25 @@ def generate(
     """Generate n_bytes after prompt, `chunk` bytes per traversal of the chain.
 
     Each traversal denoises the next `chunk` bytes together (they attend to each other and to the
-    clean context before them); temperature 0 takes the most likely byte.
+    clean context before them); temperature 0 takes the most likely byte. A merged-layout model
+    (K = 1) denoises every position of its context window in each traversal, exactly as scoring
+    does, and reads the last one.
     """
-    context = blocks[0].cfg.context
-    if chunk < 1 or chunk > context - 1:
-        raise ValueError(f"chunk must be in [1, {context - 1}] for a context of {context} bytes")
+    context, merged = blocks[0].cfg.context, blocks[0].cfg.layout == "merged"
+    if chunk < 1 or chunk > context - 1 or (merged and chunk != 1):
+        raise ValueError(f"chunk must be in [1, {context - 1}] for a context of {context} bytes"
+                         + (", and 1 for a merged-layout model" if merged else ""))
     device = codebook.device
     out = bytearray(prompt or b"\n")  # the chain needs at least one clean byte to condition on
     produced = 0
     while produced < n_bytes:
         k = min(chunk, n_bytes - produced)
-        ctx = out[-(context - k + 1) :]  # keep the k noisy positions inside the context window
+        ctx = out[-context:] if merged else out[-(context - k + 1) :]  # the noisy positions fit the window
         x = torch.tensor(list(ctx), dtype=torch.long, device=device)[None, :]
-        logits = denoise(blocks, noise, codebook, x, k, generator, start=x.shape[1] - 1, chunk=k)[0]
+        if merged:
+            logits = denoise(blocks, noise, codebook, x, x.shape[1], generator)[0, -1:]
+        else:
+            logits = denoise(blocks, noise, codebook, x, k, generator, start=x.shape[1] - 1, chunk=k)[0]
         out.extend(sample(logits, temperature, generator).tolist())
         produced += k
     return bytes(out[len(prompt or b"\n") :])

@@ -101,6 +101,8 @@ def load_config(config_file: str | None, **model_noise_train) -> RunConfig:
 @click.option("--context", "model__context", type=int)
 @click.option("--codebook-seed", "model__codebook_seed", type=int)
 @click.option("--codebook-norm", "model__codebook_norm", type=float)
+@click.option("--layout", "model__layout", type=click.Choice(["concat", "merged"]),
+              help="Block token layout: concat ([clean | noisy], any K) or merged (one token per byte, K = 1).")
 @click.option("--p-mean", "noise__p_mean", type=float)
 @click.option("--p-std", "noise__p_std", type=float)
 @click.option("--sigma-min", "noise__sigma_min", type=float)

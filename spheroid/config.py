@@ -24,14 +24,20 @@ class ModelConfig:
     context: int = 128  # bytes of clean context a block (or the reference) reads
     mlp_ratio: int = 4
     chunk: int = 1  # K: noisy tokens of one chunk attend to each other (1 = plain next-byte model)
+    layout: str = "concat"  # "concat": [clean | noisy] tokens, any K; "merged": one token per position, K = 1
     codebook_seed: int = 0  # the shared, fixed target codebook e(.) is generated from this seed
     codebook_norm: float = 1.0  # row norm of the codebook
+    edm_skip: bool = True  # EDM's skip path c_skip * z in D; off, D = c_out * F (z only reaches F)
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.chunk < 1 or self.chunk > self.context:
             raise ValueError(f"chunk must be in [1, context={self.context}], got {self.chunk}")
+        if self.layout not in ("concat", "merged"):
+            raise ValueError(f"layout must be 'concat' or 'merged', got {self.layout!r}")
+        if self.layout == "merged" and self.chunk != 1:
+            raise ValueError("the merged layout has K = 1; use layout 'concat' for chunks")
         if self.n_blocks < 1 or self.layers_per_block < 1:
             raise ValueError("n_blocks and layers_per_block must be at least 1")
 

@@ -92,7 +92,8 @@ class Layer(nn.Module):
         if self.ada is None:
             h = h + self.attn(self.norm1(h), mask)
             return h + self.mlp(self.norm2(h))
-        # cond: (B, S, d), one condition per token -> shift, scale and gate for both sublayers
+        # cond: (B, S, d) one condition per token, or (B, 1, d) one per sequence -> shift, scale and
+        # gate for both sublayers
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(fn.silu(cond)).chunk(6, dim=-1)
         h = h + gate1 * self.attn(self.norm1(h) * (1 + scale1) + shift1, mask)
         return h + gate2 * self.mlp(self.norm2(h) * (1 + scale2) + shift2)
@@ -115,8 +116,11 @@ class BlockNet(nn.Module):
     """F of one block: reads the clean context and the scaled noisy tokens, returns (B, N, d).
 
     Self-contained: its own context embedding, positions, noise embedding, layers and final norm.
-    Clean tokens get a learned condition of their own, so the clean stream does not depend on the
-    noise level (and can be cached across noise levels when serving).
+    Two layouts (ModelConfig.layout):
+      - "concat": [clean | noisy] tokens under `attention_mask`, any chunk size K. Clean tokens get
+        a learned condition of their own, so the clean stream does not depend on the noise level.
+      - "merged" (K = 1 only): one token per position holding x_i and the noisy target z_i, under
+        a plain causal mask: half the tokens of "concat", and one noise condition per sequence.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -131,6 +135,7 @@ class BlockNet(nn.Module):
         self.norm_out = nn.LayerNorm(d, elementwise_affine=False)
         self.ada_out = nn.Linear(d, 2 * d)
         self.out = nn.Linear(d, d)
+        self.layout = cfg.layout
 
     def forward(
         self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int, chunk: int
@@ -139,6 +144,8 @@ class BlockNet(nn.Module):
         n_noisy = z_in.shape[1]
         if start + n_noisy > self.pos_emb.shape[0]:
             raise ValueError(f"positions up to {start + n_noisy} exceed the context of {self.pos_emb.shape[0]}")
+        if self.layout == "merged":
+            return self.forward_merged(z_in, c_noise, x, start, chunk)
         clean = self.tok_emb(x) + self.pos_emb[:n_clean]  # (B, L, d)
         # each noisy token also carries the last clean byte its chunk may see (its anchor), so the
         # nearest context is at hand from the first step instead of having to be found by attention
@@ -152,8 +159,22 @@ class BlockNet(nn.Module):
         mask = cached_mask(n_clean, n_noisy, start, chunk, x.device)
         for layer in self.layers:
             h = layer(h, mask, cond)
-        shift, scale = self.ada_out(fn.silu(cond[:, n_clean:])).chunk(2, dim=-1)
-        return self.out(self.norm_out(h[:, n_clean:]) * (1 + scale) + shift)  # (B, N, d)
+        return self.readout(h[:, n_clean:], cond[:, n_clean:])  # (B, N, d)
+
+    def forward_merged(self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int,
+                       chunk: int) -> torch.Tensor:
+        if chunk != 1 or start != 0 or z_in.shape[1] != x.shape[1]:
+            raise ValueError("the merged layout denoises every position of its context at once, with K = 1; "
+                             "train with --layout concat for chunks")
+        h = self.tok_emb(x) + self.noisy_in(z_in) + self.pos_emb[: x.shape[1]]  # (B, T, d): x_i and z_i
+        cond = self.noise_emb(c_noise)[:, None, :]  # (B, 1, d), broadcast over positions
+        for layer in self.layers:
+            h = layer(h, None, cond)
+        return self.readout(h, cond)
+
+    def readout(self, h: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.ada_out(fn.silu(cond)).chunk(2, dim=-1)
+        return self.out(self.norm_out(h) * (1 + scale) + shift)
 
 
 class DiffusionBlock(nn.Module):
@@ -180,10 +201,10 @@ class DiffusionBlock(nn.Module):
             nn.init.zeros_(lin.bias)
 
     @staticmethod
-    def coefficients(sigma: torch.Tensor, sigma_data: float) -> tuple[torch.Tensor, ...]:
-        """EDM's c_skip, c_out, c_in, c_noise for noise level sigma."""
+    def coefficients(sigma: torch.Tensor, sigma_data: float, skip: bool = True) -> tuple[torch.Tensor, ...]:
+        """EDM's c_skip, c_out, c_in, c_noise for noise level sigma (c_skip = 0 without the skip path)."""
         sd2 = sigma_data**2
-        c_skip = sd2 / (sigma**2 + sd2)
+        c_skip = sd2 / (sigma**2 + sd2) if skip else torch.zeros_like(sigma)
         c_out = sigma * sigma_data / (sigma**2 + sd2).sqrt()
         c_in = 1 / (sigma**2 + sd2).sqrt()
         c_noise = sigma.log() / 4
@@ -193,7 +214,7 @@ class DiffusionBlock(nn.Module):
         self, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, start: int = 0, chunk: int | None = None
     ) -> torch.Tensor:
         """x: (B, L) clean bytes; z: (B, N, d) noisy targets; sigma: (B,). Returns logits (B, N, V)."""
-        c_skip, c_out, c_in, c_noise = self.coefficients(sigma.float(), self.sigma_data)
+        c_skip, c_out, c_in, c_noise = self.coefficients(sigma.float(), self.sigma_data, self.cfg.edm_skip)
         c_skip, c_out, c_in = (c[:, None, None] for c in (c_skip, c_out, c_in))
         f = self.net(c_in * z, c_noise, x, start, chunk or self.cfg.chunk)
         return self.head(self.head_norm(c_skip * z + c_out * f))

@@ -41,9 +41,10 @@ def test_mask_for_k1_and_k2():
     assert m2[4:, 4:].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
 
 
-@pytest.mark.parametrize("chunk", [1, 4])
-def test_chain_does_not_leak_future_bytes(tiny, chunk):
+@pytest.mark.parametrize("layout, chunk", [("concat", 1), ("concat", 4), ("merged", 1)])
+def test_chain_does_not_leak_future_bytes(tiny, layout, chunk):
     """Changing the bytes after position i changes nothing in the predictions of positions <= i."""
+    tiny = RunConfig(model=override(tiny.model, layout=layout), noise=tiny.noise, train=tiny.train)
     blocks = blocks_for(tiny)
     codebook = make_codebook(tiny.model)
     t = tiny.model.context
@@ -64,9 +65,10 @@ def test_chain_does_not_leak_future_bytes(tiny, chunk):
             assert not torch.allclose(out[i + 1], base[i + 1])
 
 
-def test_block_output_depends_on_its_own_noisy_target_not_later_ones(tiny):
+@pytest.mark.parametrize("layout", ["concat", "merged"])
+def test_block_output_depends_on_its_own_noisy_target_not_later_ones(tiny, layout):
     """At training time position p sees x_<=p and z_p; later context and later targets are invisible."""
-    block = randomize(DiffusionBlock(tiny.model, 0.5)).eval()
+    block = randomize(DiffusionBlock(override(tiny.model, layout=layout), 0.5)).eval()
     t = tiny.model.context
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (1, t), generator=gen)
@@ -111,6 +113,20 @@ def test_chain_is_deterministic_for_a_seed(tiny):
     text = [generate(blocks, tiny.noise, codebook, b"ab", 10, 2, 1.0, torch.Generator().manual_seed(s))
             for s in (1, 1, 2)]
     assert text[0] == text[1] and len(text[0]) == 10 and text[0] != text[2]
+
+
+def test_merged_generation_matches_scoring_of_the_same_window(tiny):
+    """A merged-layout chain generates byte L from the same computation that scores position L-1."""
+    merged = RunConfig(model=override(tiny.model, layout="merged"), noise=tiny.noise, train=tiny.train)
+    blocks = blocks_for(merged)
+    codebook = make_codebook(merged.model)
+    prompt = b"hello, world"
+    x = torch.tensor([list(prompt)])
+    logits = denoise(blocks, merged.noise, codebook, x, x.shape[1], torch.Generator().manual_seed(4))
+    out = generate(blocks, merged.noise, codebook, prompt, 1, 1, 0.0, torch.Generator().manual_seed(4))
+    assert out[0] == logits[0, -1].argmax().item()
+    with pytest.raises(ValueError, match="merged"):
+        generate(blocks, merged.noise, codebook, prompt, 4, 2, 0.0, torch.Generator())
 
 
 def test_averaged_draws_score_at_least_as_well_as_one_draw_on_average(tiny):

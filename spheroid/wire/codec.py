@@ -111,7 +111,8 @@ class Decoder:
                     self._need = length
                 if len(self._buffer) < self._need:
                     break
-                body = bytes(self._buffer[: self._need])
+                with memoryview(self._buffer) as view:
+                    body = bytes(view[: self._need])  # one copy, then the buffer can shrink
                 del self._buffer[: self._need]
                 self._need = None
                 messages.append(Received(decode_body(body, self.max_frame, self.limits), HEADER.size + len(body)))
