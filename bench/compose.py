@@ -1,6 +1,7 @@
 """Compose benchmark: which configuration makes the chained blocks beat any one block alone?
 
-Every variant trains its own blocks under the same budget (steps, batch, data, schedule) and is
+The grid's base is method.md as written (noised inputs, EDM's skip path); every variant names what it
+changes. Every variant trains its own blocks under the same budget (steps, batch, data, schedule) and is
 scored the same way: the chain from pure noise with a clean context at M = 1 and M = 8 (and more
 draws where a variant says so), and block 0 alone at sigma_max. The two end-to-end references of
 bench/quality.py (full depth and one block deep) are trained in the same run. Variants that only
@@ -88,6 +89,10 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# the grid's base is method.md as written; spheroid's defaults are the variant chain_input_noskip
+PAPER = {"model": {"edm_skip": True}, "train": {"block_input": "noised"}}
+
+
 def variant_config(base: RunConfig, v: Variant) -> RunConfig:
     return RunConfig(model=override(base.model, **v.model), noise=override(base.noise, **v.noise),
                      train=override(base.train, **v.train))
@@ -95,7 +100,8 @@ def variant_config(base: RunConfig, v: Variant) -> RunConfig:
 
 def run(preset: str, names: list[str], work: Path, data: str | None, device: torch.device) -> dict:
     p = PRESETS[preset]
-    base = RunConfig(model=ModelConfig(**p["model"]), noise=NoiseConfig(), train=TrainConfig(**p["train"]))
+    base = RunConfig(model=ModelConfig(**p["model"], **PAPER["model"]), noise=NoiseConfig(),
+                     train=TrainConfig(**p["train"], **PAPER["train"]))
     train_data = load_bytes(data, "train")
     windows = fixed_windows(load_bytes(data, "valid"), p["eval_windows"], base.model.context + 1)
     by_name = {v.name: v for v in VARIANTS}

@@ -46,9 +46,21 @@ PRESETS: dict[str, dict] = {
 DRAWS = 8
 
 
-def preset_config(name: str) -> RunConfig:
+def preset_config(name: str, settings: list[str] = ()) -> RunConfig:
+    """The preset's configuration with `group.field=value` settings on top (value parsed as JSON)."""
     p = PRESETS[name]
-    return RunConfig(model=ModelConfig(**p["model"]), noise=NoiseConfig(), train=TrainConfig(**p["train"]))
+    groups = {"model": dict(p["model"]), "noise": {}, "train": dict(p["train"])}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        group, _, field = key.partition(".")
+        if not sep or group not in groups or not field:
+            raise SystemExit(f"--set wants GROUP.FIELD=VALUE with GROUP in {sorted(groups)}, got {item!r}")
+        try:
+            groups[group][field] = json.loads(value)
+        except json.JSONDecodeError:
+            groups[group][field] = value
+    return RunConfig(model=ModelConfig(**groups["model"]), noise=NoiseConfig(**groups["noise"]),
+                     train=TrainConfig(**groups["train"]))
 
 
 def run_trainer(args: list[str], log_path: Path) -> None:
@@ -79,13 +91,20 @@ def train_all(cfg: RunConfig, work: Path, data: str | None, device: str | None, 
     }
     (work / "logs").mkdir(exist_ok=True)
 
-    def one(name: str) -> tuple[str, dict]:
-        metrics = work / "logs" / f"{name}.metrics.json"
-        run_trainer([*runs[name], *common, "--metrics", str(metrics)], work / "logs" / f"{name}.log")
-        return name, json.loads(metrics.read_text())
+    def one(names: list[str]) -> dict:
+        out = {}
+        for name in names:
+            metrics = work / "logs" / f"{name}.metrics.json"
+            run_trainer([*runs[name], *common, "--metrics", str(metrics)], work / "logs" / f"{name}.log")
+            out[name] = json.loads(metrics.read_text())
+        return out
 
+    # chain-state training needs the earlier blocks trained first: then the blocks run in order
+    blocks = [n for n in runs if n.startswith("block_")]
+    groups = [[n] for n in runs if n not in blocks]
+    groups += [blocks] if cfg.train.block_input == "chain" else [[n] for n in blocks]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        return dict(pool.map(one, runs))
+        return {k: v for done in pool.map(one, groups) for k, v in done.items()}
 
 
 def snapshot(folder: Path, step: int, final_step: int) -> Path:
@@ -163,11 +182,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"), help="WikiText folder")
     parser.add_argument("--device", default=None, help="torch device (default cuda when present)")
     parser.add_argument("--jobs", type=int, default=None, help="trainer processes at once (default: the preset's)")
+    parser.add_argument("--set", dest="settings", action="append", default=[], metavar="GROUP.FIELD=VALUE",
+                        help="change the preset's configuration, e.g. --set model.layout=merged (repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     p = PRESETS[args.preset]
-    cfg = preset_config(args.preset)
+    cfg = preset_config(args.preset, args.settings)
     out = args.out or Path("bench/results") / f"quality-{args.preset}.json"
     work = args.work or Path("runs") / f"quality-{args.preset}"
     work.mkdir(parents=True, exist_ok=True)

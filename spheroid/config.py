@@ -27,7 +27,10 @@ class ModelConfig:
     layout: str = "concat"  # "concat": [clean | noisy] tokens, any K; "merged": one token per position, K = 1
     codebook_seed: int = 0  # the shared, fixed target codebook e(.) is generated from this seed
     codebook_norm: float = 1.0  # row norm of the codebook
-    edm_skip: bool = True  # EDM's skip path c_skip * z in D; off, D = c_out * F (z only reaches F)
+    # EDM's skip path c_skip * z in D. Off by default (D = c_out * F; z only reaches F): at inference z
+    # carries the chain's own state, not a noisy truth, and through the skip it reached the head
+    # unfiltered; see docs/compose.md
+    edm_skip: bool = False
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -78,9 +81,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     # what a block learns to denoise: "noised" = e(y) + sigma * eps (DiffusionBlocks, method.md), or
-    # "chain" = the states the chain of the earlier, frozen blocks produces from pure noise (a change
-    # of method: the worker of block b also holds blocks 0..b-1, forward only, and still updates b alone)
-    block_input: str = "noised"
+    # "chain" = the states the chain of the earlier, frozen blocks produces from pure noise (the
+    # default, a change of method measured in docs/compose.md: the worker of block b also holds
+    # blocks 0..b-1, forward only, and still updates block b alone)
+    block_input: str = "chain"
 
     def __post_init__(self) -> None:
         if self.block_input not in ("noised", "chain"):
