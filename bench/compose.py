@@ -25,7 +25,15 @@ import torch
 
 from spheroid.config import ModelConfig, NoiseConfig, RunConfig, TrainConfig, override
 from spheroid.data import fixed_windows, load_bytes
-from spheroid.train import evaluate_chain, evaluate_reference, pick_device, train_block, train_reference
+from spheroid.train import (
+    evaluate_bound,
+    evaluate_chain,
+    evaluate_reference,
+    pick_device,
+    train_block,
+    train_reference,
+    write_genesis_codebook,
+)
 
 log = logging.getLogger("bench.compose")
 
@@ -42,6 +50,7 @@ class Variant:
     reuse: str | None = None  # name of the variant whose trained blocks this one evaluates
     draws: int = 8
     method_change: bool = False  # True where the variant departs from method.md's training
+    genesis: bool = False  # codebook from this run's reference byte embedding (a genesis file)
 
 
 VARIANTS = [
@@ -71,8 +80,13 @@ VARIANTS = [
             model={"edm_skip": False, "codebook_norm": 4.0}, train={"block_input": "chain"}, method_change=True),
     Variant("chain_input_norm8_noskip", "chain-state training, norm 8, without the skip path",
             model={"edm_skip": False, "codebook_norm": 8.0}, train={"block_input": "chain"}, method_change=True),
+    Variant("genesis", "genesis codebook: the reference's byte embedding, unit rows", genesis=True),
+    Variant("chain_input_noskip_genesis", "the new default with a genesis codebook",
+            model={"edm_skip": False}, train={"block_input": "chain"}, method_change=True, genesis=True),
     Variant("chain_input_merged", "chain-state training, merged layout",
             model={"layout": "merged"}, train={"block_input": "chain"}, method_change=True),
+    Variant("chain_input_noskip_merged", "the new default with the merged layout",
+            model={"edm_skip": False, "layout": "merged"}, train={"block_input": "chain"}, method_change=True),
     Variant("chain_input_norm4_merged", "chain-state training, norm 4, merged layout",
             model={"layout": "merged", "codebook_norm": 4.0}, train={"block_input": "chain"}, method_change=True),
 ]
@@ -81,7 +95,7 @@ PRESETS: dict[str, dict] = {
     # for the test suite: two variants of a model that trains in seconds
     "ci": {"model": {"d_model": 32, "n_heads": 2, "layers_per_block": 1, "context": 32},
            "train": {"steps": 30, "batch": 8, "warmup": 5}, "eval_windows": 16,
-           "variants": ["paper", "paper_2steps", "chain_input"]},
+           "variants": ["paper", "paper_2steps", "chain_input", "genesis"]},
     # the grid on a 2-core CPU: about a minute per trained variant
     "mini": {"model": {"d_model": 64, "n_heads": 4, "layers_per_block": 2, "context": 64},
              "train": {"steps": 400, "batch": 32, "warmup": 40}, "eval_windows": 128,
@@ -117,6 +131,10 @@ def run(preset: str, names: list[str], work: Path, data: str | None, device: tor
     for name in names:
         v = by_name[name]
         cfg = variant_config(base, v)
+        if v.genesis:
+            digest = write_genesis_codebook(work / "reference", work / "genesis-codebook.safetensors")
+            cfg = RunConfig(model=override(cfg.model, codebook_file=str(work / "genesis-codebook.safetensors"),
+                                           codebook_sha256=digest), noise=cfg.noise, train=cfg.train)
         folder = work / (v.reuse or v.name)
         wall = 0.0
         if v.reuse is None:
@@ -124,10 +142,12 @@ def run(preset: str, names: list[str], work: Path, data: str | None, device: tor
                 wall += train_block(cfg, b, train_data, folder, device).wall_s
         t0 = time.monotonic()
         chain, alone = evaluate_chain(folder, windows, v.draws, 0, device, noise=cfg.noise)
+        bound = evaluate_bound(folder, windows, 0, device)
         row = {
             "variant": v.name, "note": v.note, "method_change": v.method_change, "reuses": v.reuse,
             "blocktrain_ce_m1": chain.ce_one_draw, f"blocktrain_ce_m{v.draws}": chain.ce_averaged,
             "blocktrain_ce": chain.ce_averaged, "draws": v.draws, "block0_alone_ce": alone,
+            "bound_ce": bound.total, "bound_terms": vars(bound),
             "train_wall_s": wall, "eval_wall_s": time.monotonic() - t0,
             "vs_single_block_reference": chain.ce_averaged - refs["single_block_reference"]["ce"],
             "vs_block0_alone": chain.ce_averaged - alone,
@@ -173,11 +193,13 @@ def print_table(result: dict) -> None:
     refs = result["references"]
     print(f"\nreference (full depth) CE {refs['reference']['ce']:.4f}; "
           f"one-block-deep reference CE {refs['single_block_reference']['ce']:.4f}")
-    print(f"{'variant':<22} {'M=1':>7} {'M avg':>7} {'M':>3} {'block0':>7} {'vs 1blk':>8} {'vs b0':>7} {'train s':>8}")
+    print(f"{'variant':<26} {'M=1':>7} {'M avg':>7} {'M':>3} {'block0':>7} {'bound':>7} {'vs 1blk':>8} {'vs b0':>7} "
+          f"{'train s':>8}")
     for r in result["variants"]:
-        print(f"{r['variant']:<22} {r['blocktrain_ce_m1']:>7.4f} {r['blocktrain_ce']:>7.4f} {r['draws']:>3} "
-              f"{r['block0_alone_ce']:>7.4f} {r['vs_single_block_reference']:>+8.4f} {r['vs_block0_alone']:>+7.4f} "
-              f"{r['train_wall_s']:>8.1f}{'  (method change)' if r['method_change'] else ''}")
+        print(f"{r['variant']:<26} {r['blocktrain_ce_m1']:>7.4f} {r['blocktrain_ce']:>7.4f} {r['draws']:>3} "
+              f"{r['block0_alone_ce']:>7.4f} {r['bound_ce']:>7.3f} {r['vs_single_block_reference']:>+8.4f} "
+              f"{r['vs_block0_alone']:>+7.4f} {r['train_wall_s']:>8.1f}"
+              f"{'  (method change)' if r['method_change'] else ''}")
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -23,12 +23,14 @@ from .node.identity import IdentityError
 from .node.identity import load_or_create as load_identity
 from .node.node import Node
 from .train import (
+    evaluate_bound,
     evaluate_chain,
     evaluate_reference,
     load_chain,
     pick_device,
     train_block,
     train_reference,
+    write_genesis_codebook,
 )
 from .wire import ProtocolError
 
@@ -101,6 +103,10 @@ def load_config(config_file: str | None, **model_noise_train) -> RunConfig:
 @click.option("--context", "model__context", type=int)
 @click.option("--codebook-seed", "model__codebook_seed", type=int)
 @click.option("--codebook-norm", "model__codebook_norm", type=float)
+@click.option("--codebook-file", "model__codebook_file", help="Genesis codebook (from `spheroid codebook`).")
+@click.option("--codebook-sha256", "model__codebook_sha256", help="sha256 the genesis codebook file must have.")
+@click.option("--edm-skip/--no-edm-skip", "model__edm_skip", default=None,
+              help="EDM's skip path c_skip * z in the denoiser (method.md has it; the default is without).")
 @click.option("--layout", "model__layout", type=click.Choice(["concat", "merged"]),
               help="Block token layout: concat ([clean | noisy], any K) or merged (one token per byte, K = 1).")
 @click.option("--p-mean", "noise__p_mean", type=float)
@@ -143,11 +149,12 @@ def train(block, reference, out, config_file, save_every, metrics, data_dir, dev
 @click.option("--churn", type=float, default=None, help="Stochastic sampler: noise re-injected per step.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--windows", type=int, default=256, show_default=True, help="Evaluation windows, evenly spaced.")
+@click.option("--bound", is_flag=True, help="Also the variational bound (VDM) of the blocks' diffusion model.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @data_option
 @device_option
 @fail_clearly
-def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, windows, as_json, data_dir,
+def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, windows, bound, as_json, data_dir,
              device) -> None:
     """CE of the chain in CKPT started from pure noise with a clean context (and of a reference there)."""
     dev = pick_device(device)
@@ -164,6 +171,10 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
         noise = override(trained, steps_per_block=steps_per_block, churn=churn)
         chain, alone = evaluate_chain(ckpt, win, draws, seed, dev, chunk, noise)
         results.update(chain_ce_m1=chain.ce_one_draw, chain_ce=chain.ce_averaged, block0_alone_ce=alone)
+        if bound:
+            terms = evaluate_bound(ckpt, win, seed, dev)
+            results.update(bound_ce=terms.total, bound_prior=terms.prior, bound_diffusion=terms.diffusion,
+                           bound_reconstruction=terms.reconstruction)
     if have_reference:
         results["reference_ce"] = evaluate_reference(ckpt, win, dev)
     if as_json:
@@ -171,7 +182,8 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
         return
     click.echo(f"{results['split']}: {results['bytes']} bytes scored")
     rows = [("chain_ce_m1", "chain from noise, M = 1"), ("chain_ce", f"chain from noise, M = {draws}"),
-            ("block0_alone_ce", "block 0 alone at sigma_max"), ("reference_ce", "end-to-end reference")]
+            ("block0_alone_ce", "block 0 alone at sigma_max"), ("bound_ce", "variational bound (VDM)"),
+            ("reference_ce", "end-to-end reference")]
     for key, label in rows:
         if key in results:
             ce = float(results[key])
@@ -195,6 +207,17 @@ def generate(ckpt, prompt, n_bytes, chunk, temperature, seed, device) -> None:
     gen = torch.Generator(dev).manual_seed(seed)
     text = run_chain(blocks, cfg.noise, codebook, prompt.encode(), n_bytes, chunk, temperature, gen)
     click.echo(prompt + text.decode("utf-8", errors="replace"))
+
+
+@main.command()
+@click.argument("reference", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="Where to write the codebook.")
+@fail_clearly
+def codebook(reference, out) -> None:
+    """Make a genesis codebook from the byte embedding of a trained reference in REFERENCE."""
+    digest = write_genesis_codebook(reference, out)
+    click.echo(f"codebook written to {out}\nsha256 {digest}\n"
+               f"train every block with: --codebook-file {out} --codebook-sha256 {digest}")
 
 
 def run_async(coro) -> None:

@@ -27,6 +27,10 @@ class ModelConfig:
     layout: str = "concat"  # "concat": [clean | noisy] tokens, any K; "merged": one token per position, K = 1
     codebook_seed: int = 0  # the shared, fixed target codebook e(.) is generated from this seed
     codebook_norm: float = 1.0  # row norm of the codebook
+    # a genesis codebook: a safetensors file every worker of a swarm loads instead of the seeded
+    # rows (made by `spheroid codebook`), pinned by its sha256; "" = seeded random rows
+    codebook_file: str = ""
+    codebook_sha256: str = ""
     # EDM's skip path c_skip * z in D. Off by default (D = c_out * F; z only reaches F): at inference z
     # carries the chain's own state, not a noisy truth, and through the skip it reached the head
     # unfiltered; see docs/compose.md
@@ -37,6 +41,8 @@ class ModelConfig:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.chunk < 1 or self.chunk > self.context:
             raise ValueError(f"chunk must be in [1, context={self.context}], got {self.chunk}")
+        if bool(self.codebook_file) != bool(self.codebook_sha256):
+            raise ValueError("a genesis codebook needs both codebook_file and codebook_sha256")
         if self.layout not in ("concat", "merged"):
             raise ValueError(f"layout must be 'concat' or 'merged', got {self.layout!r}")
         if self.layout == "merged" and self.chunk != 1:

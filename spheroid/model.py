@@ -10,23 +10,40 @@ Shapes: B batch, L clean context bytes, N noisy target positions, d model width,
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as fn
+from safetensors.torch import load as safetensors_load
 from torch import nn
 
 from .config import ModelConfig
 
 
 def make_codebook(cfg: ModelConfig) -> torch.Tensor:
-    """The fixed target codebook e(.): V x d rows of norm `codebook_norm`, from `codebook_seed`.
+    """The fixed target codebook e(.): V x d rows of norm `codebook_norm`.
 
-    Never trained and never sent: every worker regenerates the same matrix from the seed.
+    Never trained: every worker regenerates the same matrix from `codebook_seed`, or loads the same
+    genesis file (checked against `codebook_sha256`, so a worker never trains against other rows).
     """
-    gen = torch.Generator().manual_seed(cfg.codebook_seed)
-    rows = torch.randn(cfg.vocab, cfg.d_model, generator=gen)
+    if cfg.codebook_file:
+        rows = load_genesis_codebook(cfg.codebook_file, cfg.codebook_sha256, (cfg.vocab, cfg.d_model))
+    else:
+        rows = torch.randn(cfg.vocab, cfg.d_model, generator=torch.Generator().manual_seed(cfg.codebook_seed))
     return cfg.codebook_norm * rows / rows.norm(dim=1, keepdim=True)
+
+
+def load_genesis_codebook(path: str, sha256: str, shape: tuple[int, int]) -> torch.Tensor:
+    """A genesis codebook file: safetensors with one tensor "codebook" of the given shape."""
+    blob = Path(path).read_bytes()
+    if hashlib.sha256(blob).hexdigest() != sha256:
+        raise ValueError(f"codebook file {path} does not match its sha256 {sha256[:12]}: fetch the swarm's own")
+    rows = safetensors_load(blob).get("codebook")
+    if rows is None or tuple(rows.shape) != shape:
+        raise ValueError(f"codebook file {path} must hold a tensor 'codebook' of shape {shape}")
+    return rows.float()
 
 
 def attention_mask(n_clean: int, n_noisy: int, start: int, chunk: int) -> torch.Tensor:

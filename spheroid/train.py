@@ -7,6 +7,7 @@ trainer builds and holds exactly one block: no other block's parameters are ever
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import resource
@@ -18,10 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as fn
+from safetensors.torch import save as save_safetensors
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import checkpoint
-from .chain import ChainScore, chain_state, score, score_block_alone
+from .chain import BoundScore, ChainScore, chain_state, score, score_block_alone, score_bound
 from .config import NoiseConfig, RunConfig
 from .data import random_windows
 from .model import DiffusionBlock, Reference, make_codebook
@@ -265,6 +267,19 @@ def load_reference(folder: str | Path, device: torch.device) -> tuple[RunConfig,
     return entry.config, model.to(device).eval()
 
 
+def write_genesis_codebook(reference_folder: str | Path, out: str | Path) -> str:
+    """A genesis codebook from a trained reference's byte embedding (rows normalised); its sha256.
+
+    Every worker of a swarm then loads this file (`codebook_file`, `codebook_sha256`) instead of
+    generating seeded random rows.
+    """
+    _, model = load_reference(reference_folder, torch.device("cpu"))
+    rows = model.tok_emb.weight.detach()
+    blob = save_safetensors({"codebook": (rows / rows.norm(dim=1, keepdim=True)).contiguous()})
+    checkpoint.atomic_write(Path(out), blob)
+    return hashlib.sha256(blob).hexdigest()
+
+
 def load_state(module: torch.nn.Module, entry: checkpoint.Entry) -> None:
     try:
         module.load_state_dict(entry.tensors)
@@ -283,6 +298,12 @@ def evaluate_chain(folder: str | Path, windows: torch.Tensor, draws: int, seed: 
     chain = score(blocks, noise or cfg.noise, codebook, windows, draws, gen, chunk=chunk)
     alone = score_block_alone(blocks[0], cfg.noise, codebook, windows, gen)
     return chain, alone
+
+
+def evaluate_bound(folder: str | Path, windows: torch.Tensor, seed: int, device: torch.device) -> BoundScore:
+    """The variational bound on the CE of the diffusion model the blocks in `folder` define."""
+    cfg, blocks, codebook = load_chain(folder, device)
+    return score_bound(blocks, cfg.noise, codebook, windows, torch.Generator(device).manual_seed(seed))
 
 
 @torch.no_grad()

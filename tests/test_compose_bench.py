@@ -17,12 +17,14 @@ def test_compose_ci_preset_writes_one_row_per_variant(tmp_path, data_dir):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["variants"]}
-    assert list(rows) == ["paper", "paper_2steps", "chain_input"]
+    assert list(rows) == ["paper", "paper_2steps", "chain_input", "genesis"]
+    assert rows["genesis"]["config"]["model"]["codebook_file"].endswith("genesis-codebook.safetensors")
     assert rows["paper_2steps"]["reuses"] == "paper" and rows["paper_2steps"]["train_wall_s"] == 0
     assert rows["paper_2steps"]["config"]["noise"]["steps_per_block"] == 2
     assert rows["chain_input"]["method_change"] and rows["chain_input"]["config"]["train"]["block_input"] == "chain"
     for r in rows.values():
         assert 0 < r["blocktrain_ce"] <= r["blocktrain_ce_m1"] + 1e-6 < 6.5
         assert r["gap"] == r["blocktrain_ce"] - result["references"]["reference"]["ce"]
+        assert r["bound_ce"] == sum(r["bound_terms"].values()) and r["bound_terms"]["prior"] > 0
     assert (tmp_path / "compose.png").stat().st_size > 1000
     assert "chain_input" in proc.stdout

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from spheroid import checkpoint
-from spheroid.chain import denoise, generate, score
+from spheroid.chain import denoise, generate, score, score_bound
 from spheroid.checkpoint import CheckpointError
 from spheroid.config import ModelConfig, RunConfig, override
 from spheroid.model import DiffusionBlock, Reference, attention_mask, make_codebook
-from spheroid.train import block_loss, make_optimizer, train_block, train_step
+from spheroid.train import block_loss, make_optimizer, train_block, train_step, write_genesis_codebook
 
 from .conftest import randomize
 
@@ -174,3 +174,34 @@ def test_chain_state_training_reads_frozen_earlier_blocks_and_updates_only_its_o
     other = RunConfig(model=tiny.model, noise=override(tiny.noise, p_mean=0.0), train=cfg.train)
     with pytest.raises(CheckpointError, match="another model or noise configuration"):
         train_block(other, 1, data, tmp_path, torch.device("cpu"))
+
+
+def test_variational_bound_terms(tiny):
+    blocks = blocks_for(tiny)
+    codebook = make_codebook(tiny.model)
+    windows = torch.randint(0, 256, (3, tiny.model.context + 1), generator=torch.Generator().manual_seed(0))
+
+    def run(seed: int):
+        return score_bound(blocks, tiny.noise, codebook, windows, torch.Generator().manual_seed(seed), 2)
+
+    terms = run(0)
+    assert terms.prior == pytest.approx(1 / (2 * 10.0**2))  # unit rows against N(0, sigma_max^2)
+    assert terms.diffusion > 0 and terms.reconstruction > 0
+    assert terms.total == pytest.approx(terms.prior + terms.diffusion + terms.reconstruction)
+    assert run(0) == terms and run(1) != terms
+
+
+def test_genesis_codebook_from_a_reference(tiny, tmp_path):
+    ref = Reference(tiny.model)
+    checkpoint.save(tmp_path, checkpoint.REFERENCE, ref, tiny, {})
+    digest = write_genesis_codebook(tmp_path, tmp_path / "genesis.safetensors")
+    cfg = override(tiny.model, codebook_file=str(tmp_path / "genesis.safetensors"), codebook_sha256=digest,
+                   codebook_norm=2.0)
+    rows = make_codebook(cfg)
+    expected = ref.tok_emb.weight.detach()
+    torch.testing.assert_close(rows, 2.0 * expected / expected.norm(dim=1, keepdim=True))
+    assert not torch.allclose(rows, make_codebook(override(tiny.model, codebook_norm=2.0)))
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        make_codebook(override(cfg, codebook_sha256="0" * 64))
+    with pytest.raises(ValueError, match="needs both"):
+        override(tiny.model, codebook_file="x")

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from spheroid.node.connection import PeerGone
+from spheroid.config import NodeConfig
+from spheroid.node.accounting import Traffic
+from spheroid.node.connection import Connection, PeerGone
+from spheroid.node.identity import load_or_create
+from spheroid.node.node import Node, handshake
 from spheroid.wire import ProtocolError, encode
 
-from .nodes import NodeProcess, handshake_then, hello, raw_exchange, wait_until
+from .nodes import NodeProcess, free_port, handshake_then, hello, raw_exchange, wait_until
 from .test_wire import MALFORMED
 
 VECTORS = Path(__file__).resolve().parents[1] / "proto" / "vectors"
@@ -53,7 +57,8 @@ def test_truncated_frame_then_close_leaves_the_node_serving(node):
 
 
 @pytest.mark.parametrize("change, code", [({"version": 99}, "version"), ({"swarm": "other"}, "swarm"),
-                                          ({"auth": True}, "auth_required")])
+                                          ({"auth": True}, "auth_required"), ({"node": "me"}, "handshake"),
+                                          ({"nonce": b"short"}, "handshake")])
 def test_handshake_mismatch_is_refused_with_a_clear_error(node, change, code):
     got = raw_exchange(node.addr, [encode(hello(**change))])
     assert got[-1]["t"] == "error" and got[-1]["code"] == code
@@ -202,8 +207,8 @@ def test_tls_with_a_swarm_ca_and_announce(tmp_path):
         assert a.wait_ready(cfg=cfg)["tls"]
         b.wait_ready(cfg=cfg)
         wait_until(lambda: [p["addr"] for p in a.status(cfg=cfg)["peers"]] == [b.addr], 30, "b to join a over TLS")
-        with pytest.raises((PeerGone, ConnectionError, OSError, TimeoutError)):
-            a.status()  # no TLS: refused
+        with pytest.raises((PeerGone, ProtocolError, OSError, TimeoutError)):
+            a.status()  # no TLS: refused (closed, or TLS bytes that are no frame)
     finally:
         assert a.stop() == 0 and b.stop() == 0
 
@@ -220,3 +225,34 @@ def test_sigint_stops_cleanly_and_writes_the_peer_table(tmp_path):
     assert a.proc.returncode == 0
     state = json.loads(Path(f"{a.identity}.peers.json").read_text())
     assert [p["node"] for p in state["peers"]] == [b_id]
+
+
+def test_gossip_survives_a_peer_that_advertises_garbage(tmp_path):
+    """An in-process node gossips with a peer whose peer list is junk: it ignores it and carries on."""
+
+    async def scenario() -> dict:
+        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"))
+        node = Node(cfg, load_or_create(cfg.identity))
+        await node.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(cfg.listen.split(":")[1]))
+        liar = Connection(reader, writer, Traffic())
+        me = {"node": "ab" * 16, "addr": "127.0.0.1:1", "role": "worker", "blocks": [], "boot": b"12345678"}
+        await handshake(liar, me, cfg.swarm, None)
+        junk = [{"node": "cd" * 16, "addr": "not an address", "role": "worker", "blocks": []},
+                {"node": "zz", "addr": "127.0.0.1:2", "role": "worker", "blocks": []}]
+
+        async def answer(conn: Connection, msg: dict) -> None:
+            if msg["t"] == "peers":
+                await conn.send({"t": "peers_reply", "re": msg["id"], "peers": junk})
+
+        serving = asyncio.create_task(liar.serve(answer, 30))
+        await asyncio.sleep(0.2)
+        await node.gossip_once()
+        status = node.status()
+        await liar.close()
+        await serving
+        await node.stop()
+        return status
+
+    status = asyncio.run(scenario())
+    assert [p["node"] for p in status["peers"]] == ["ab" * 16] and status["known"] == 1

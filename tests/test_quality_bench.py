@@ -49,11 +49,13 @@ def run_cli(*args, data_dir=None):
 
 def test_cli_eval_reports_the_chain_and_block_zero(bench_run, data_dir):
     tmp, result, _ = bench_run
-    proc = run_cli("eval", str(tmp / "work" / "blocktrain"), "--draws", "2", "--windows", "8", "--json",
+    proc = run_cli("eval", str(tmp / "work" / "blocktrain"), "--draws", "2", "--windows", "8", "--json", "--bound",
                    data_dir=data_dir)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["draws"] == 2 and report["bytes"] == 8 * 32
+    assert report["bound_ce"] == pytest.approx(
+        report["bound_prior"] + report["bound_diffusion"] + report["bound_reconstruction"])
     assert report["chain_ce"] <= report["chain_ce_m1"] + 1e-6 and "reference_ce" not in report
     proc = run_cli("eval", str(tmp / "work" / "reference"), "--split", "test", "--windows", "8", data_dir=data_dir)
     assert proc.returncode == 0 and "end-to-end reference" in proc.stdout and "PPL" in proc.stdout

@@ -17,6 +17,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import ssl
 import time
@@ -73,6 +74,8 @@ async def handshake(conn: Connection, me: dict, swarm: str, secret: bytes | None
         raise ProtocolError("swarm", f"swarm {hello['swarm']!r} is not {swarm!r}")
     if hello["auth"] != (secret is not None):
         raise ProtocolError("auth_required", "one side has a swarm secret and the other has none")
+    if not re.fullmatch(r"[0-9a-f]{32}", hello["node"]):
+        raise ProtocolError("handshake", "node id must be 32 lowercase hex digits")
     if hello["node"] == me["node"]:
         raise ProtocolError("self", "connected to itself")
     if len(hello["nonce"]) < 16:
@@ -183,7 +186,7 @@ class Node:
             host, port = parse_addr(addr)
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port, ssl=self._ssl_client), self.cfg.timeout)
-        except (OSError, TimeoutError, ssl.SSLError) as exc:
+        except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
             log.debug("cannot reach %s: %r", addr, exc)
             self._dialing.discard(addr)
             return None
@@ -323,7 +326,12 @@ class Node:
 
     def _learn(self, entry: dict, now: float) -> None:
         node = entry["node"]
-        if node == self.id or entry["role"] == "client":
+        if node == self.id or entry["role"] == "client" or not re.fullmatch(r"[0-9a-f]{32}", node):
+            return
+        try:
+            parse_addr(entry["addr"])
+        except ValueError:
+            log.debug("ignoring peer %s with address %r", node[:8], entry["addr"])
             return
         info = self.known.get(node)
         if info is None:
