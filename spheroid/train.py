@@ -26,7 +26,7 @@ from . import checkpoint
 from .chain import BoundScore, ChainScore, chain_state, score, score_block_alone, score_bound
 from .config import NoiseConfig, RunConfig
 from .data import random_windows
-from .model import DiffusionBlock, Reference, make_codebook
+from .model import DiffusionBlock, Reference, make_codebook, parameter_count
 from .noise import loss_weight, sample_sigma, sigma_grid, training_band
 
 log = logging.getLogger(__name__)
@@ -215,12 +215,12 @@ def train_block(cfg: RunConfig, index: int, data: torch.Tensor, out: Path, devic
         earlier = [load_block(out, b, cfg, device) for b in range(index)]
         loss_fn = chain_state_loss(block, cfg, index, codebook, earlier)
         log.info("block %d: %d parameters, trained on chain states of %d frozen earlier block(s)", index,
-                 sum(p.numel() for p in block.parameters()), index)
+                 parameter_count(block), index)
     else:
         loss_fn = block_loss(block, cfg, index, codebook)
         lo, hi = training_band(cfg.noise, cfg.model.n_blocks, index)
         log.info("block %d: %d parameters, noise band [%.3f, %.3f] with overlap", index,
-                 sum(p.numel() for p in block.parameters()), lo, hi)
+                 parameter_count(block), lo, hi)
     return fit(block, loss_fn, cfg, data, checkpoint.block_name(index), out, {"block": index}, save_every)
 
 
@@ -230,7 +230,7 @@ def train_reference(cfg: RunConfig, data: torch.Tensor, out: Path, device: torch
     torch.manual_seed(cfg.train.seed)
     model = Reference(cfg.model).to(device)
     log.info("reference: %d layers, %d parameters", cfg.model.n_blocks * cfg.model.layers_per_block,
-             sum(p.numel() for p in model.parameters()))
+             parameter_count(model))
     return fit(model, reference_loss(model), cfg, data, checkpoint.REFERENCE, out, {}, save_every)
 
 

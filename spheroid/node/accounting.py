@@ -46,7 +46,3 @@ class Traffic:
     def by_type(self, peer: str | None = None) -> dict:
         """{direction: {message type: counter}}, over all peers or for one."""
         return self._sum(peer, lambda key: key[2])
-
-    def by_peer(self) -> dict:
-        """{direction: {peer: counter}}."""
-        return self._sum(None, lambda key: key[1])
