@@ -20,6 +20,12 @@ from .model import DiffusionBlock
 from .noise import band, sigma_grid
 
 
+def gaussian(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """N(0, 1) noise drawn from `generator` (on its own device; the global RNG if None), placed on device."""
+    where = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, device=where).to(device)
+
+
 @torch.no_grad()
 def chain_state(
     blocks: Sequence[DiffusionBlock],
@@ -41,14 +47,12 @@ def chain_state(
     grid = sigma_grid(noise, len(blocks)).tolist()
     steps = len(grid) - 1 if steps is None else steps
     b, d = x.shape[0], codebook.shape[1]
-    device = generator.device if generator is not None else codebook.device
-    z = grid[0] * torch.randn(b, n_noisy, d, generator=generator, device=device).to(codebook.device)
+    z = grid[0] * gaussian((b, n_noisy, d), generator, codebook.device)
     for i in range(steps):
         sigma = grid[i]
         if noise.churn > 0 and i > 0:
             sigma_hat = min(sigma * (1 + noise.churn), noise.sigma_max)
-            fresh = torch.randn(b, n_noisy, d, generator=generator, device=device).to(codebook.device)
-            z = z + (sigma_hat**2 - sigma**2) ** 0.5 * fresh
+            z = z + (sigma_hat**2 - sigma**2) ** 0.5 * gaussian((b, n_noisy, d), generator, codebook.device)
             sigma = sigma_hat
         block = blocks[i // noise.steps_per_block]
         logits = block(x, z, torch.full((b,), sigma, device=x.device), start, chunk)
@@ -126,9 +130,9 @@ def score_block_alone(
     for i in range(0, windows.shape[0], batch):
         w = windows[i : i + batch].to(codebook.device)
         x, y = w[:, :-1], w[:, 1:]
-        eps = torch.randn(*x.shape, codebook.shape[1], generator=generator, device=generator.device)
+        eps = gaussian((*x.shape, codebook.shape[1]), generator, x.device)
         sigma = torch.full((x.shape[0],), noise.sigma_max, device=x.device)
-        logits = block(x, noise.sigma_max * eps.to(x.device), sigma).float()
+        logits = block(x, noise.sigma_max * eps, sigma).float()
         nll += fn.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
         count += y.numel()
     return nll / count
@@ -165,7 +169,6 @@ def score_bound(
     bands, each by stratified quadrature in log sigma with one noise draw per point.
     """
     n_blocks = len(blocks)
-    dev = generator.device
     prior = diffusion = recon = 0.0
     count = 0
     for i in range(0, windows.shape[0], batch):
@@ -177,14 +180,14 @@ def score_bound(
             lo, hi = band(noise, n_blocks, b)
             width = math.log(hi / lo) / points_per_band
             for k in range(points_per_band):
-                u = torch.rand((), generator=generator, device=dev).item()
+                u = torch.rand((), generator=generator, device=generator.device).item()
                 sigma = math.exp(math.log(lo) + (k + u) * width)
-                z = e + sigma * torch.randn(e.shape, generator=generator, device=dev).to(e.device)
+                z = e + sigma * gaussian(e.shape, generator, e.device)
                 logits = block(x, z, torch.full((x.shape[0],), sigma, device=x.device))
                 d_hat = fn.softmax(logits.float(), dim=-1) @ codebook
                 # ds = sigma * d(log sigma), so the integrand times ds is ||e - D||^2 / sigma^2 * width
                 diffusion += ((e - d_hat).pow(2).sum(-1) / sigma**2 * width).sum().item()
-        z = e + noise.sigma_min * torch.randn(e.shape, generator=generator, device=dev).to(e.device)
+        z = e + noise.sigma_min * gaussian(e.shape, generator, e.device)
         logits = blocks[-1](x, z, torch.full((x.shape[0],), noise.sigma_min, device=x.device)).float()
         recon += fn.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
         count += y.numel()

@@ -146,8 +146,13 @@ def load_blocks(folder: str | os.PathLike) -> list[Entry]:
         missing = sorted(set(range(n_blocks)) - set(indices))
         raise CheckpointError(f"{folder} lacks block(s) {missing} of {n_blocks}; train or fetch them first")
     for e in entries[1:]:
-        if e.config.model != first.model or e.config.noise != first.noise:
-            raise CheckpointError(
-                f"{e.name} in {folder} was trained with another model or noise configuration than block-0"
-            )
+        require_same_model(e, first, folder, "block-0")
     return entries
+
+
+def require_same_model(entry: Entry, cfg: RunConfig, folder: str | os.PathLike, other: str) -> None:
+    """Refuse a block trained for another model or noise schedule than `cfg` (named `other`)."""
+    if entry.config.model != cfg.model or entry.config.noise != cfg.noise:
+        raise CheckpointError(
+            f"{entry.name} in {folder} was trained with another model or noise configuration than {other}"
+        )

@@ -247,10 +247,7 @@ def load_chain(folder: str | Path, device: torch.device) -> tuple[RunConfig, lis
 def load_block(folder: str | Path, index: int, cfg: RunConfig, device: torch.device) -> DiffusionBlock:
     """One trained block, frozen, checked to belong to the same model and noise schedule as cfg."""
     entry = checkpoint.load(folder, checkpoint.block_name(index))
-    if entry.config.model != cfg.model or entry.config.noise != cfg.noise:
-        raise checkpoint.CheckpointError(
-            f"{entry.name} in {folder} was trained with another model or noise configuration than this run"
-        )
+    checkpoint.require_same_model(entry, cfg, folder, "this run")
     return block_from(entry, cfg, device).requires_grad_(False)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +42,11 @@ def randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
     return module
+
+
+def run_bench(script: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run bench/<script> in its own process; assert it succeeded (showing its output if not)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc

@@ -1,20 +1,14 @@
 """`bench/compose.py --preset ci` end to end: every variant gets a row, reused blocks are not retrained."""
 
 import json
-import subprocess
-import sys
 
-from .conftest import ROOT
+from .conftest import run_bench
 
 
 def test_compose_ci_preset_writes_one_row_per_variant(tmp_path, data_dir):
     out = tmp_path / "compose.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "compose.py"), "--preset", "ci", "--out", str(out),
-         "--work", str(tmp_path / "work"), "--data", str(data_dir), "--device", "cpu"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_bench("compose.py", "--preset", "ci", "--out", str(out), "--work", str(tmp_path / "work"),
+                     "--data", str(data_dir), "--device", "cpu")
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["variants"]}
     assert list(rows) == ["paper", "paper_2steps", "chain_input", "genesis"]

@@ -6,19 +6,15 @@ import sys
 
 import pytest
 
-from .conftest import ROOT
+from .conftest import run_bench
 
 
 @pytest.fixture(scope="module")
 def bench_run(tmp_path_factory, data_dir):
     tmp = tmp_path_factory.mktemp("quality")
     out = tmp / "quality.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "quality.py"), "--preset", "ci", "--out", str(out),
-         "--work", str(tmp / "work"), "--data", str(data_dir), "--device", "cpu"],
-        capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = run_bench("quality.py", "--preset", "ci", "--out", str(out), "--work", str(tmp / "work"),
+                     "--data", str(data_dir), "--device", "cpu")
     return tmp, json.loads(out.read_text()), proc.stdout
 
 

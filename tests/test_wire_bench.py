@@ -1,20 +1,14 @@
 """`bench/wire.py` end to end on a small tensor: it moves the bytes both ways and writes its JSON."""
 
 import json
-import subprocess
-import sys
 
-from .conftest import ROOT
+from .conftest import run_bench
 
 
 def test_wire_bench_small_run(tmp_path, data_dir):
     out = tmp_path / "wire.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "wire.py"), "--mib", "4", "--repeats", "1", "--train-steps", "12",
-         "--data", str(data_dir), "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_bench("wire.py", "--mib", "4", "--repeats", "1", "--train-steps", "12", "--data", str(data_dir),
+                     "--out", str(out), timeout=300)
     result = json.loads(out.read_text())
     moved = result["transfer"]
     assert moved["payload_bytes"] == 4 << 20 and moved["protocol_wire_bytes"] > moved["payload_bytes"]
