@@ -8,8 +8,9 @@ as one flat vector, the outer momentum when the outer step has one, and a `Versi
      point's hash and the samples behind it, and goes to every same-block peer;
   3. each replica averages (weighted by samples) the updates that reached it by its deadline,
      `wait` seconds after its own was ready, applies the outer step and so gets the next shared
-     starting point. It waits for nobody but the peers that contributed to the previous round,
-     and for them only until the deadline.
+     starting point. It waits for nobody but the peers in step with it (they contributed to its
+     previous round, or announced its version as the result of a round of theirs), and for them
+     only until the deadline: a joiner is not waited for until it has contributed to a round.
 
 When every update reaches every replica, all replicas compute bit-identical states (the same
 updates, summed in the same order, each already passed through the wire codec, the replica's own
@@ -156,10 +157,11 @@ class Replica:
     me: str
     state: SharedState
     cfg: AveragingConfig
-    expected: set[str] = field(default_factory=set)  # peers that contributed to the previous round
+    expected: set[str] = field(default_factory=set)  # peers waited for: in step with this replica
     counters: Counters = field(default_factory=Counters)
 
     def __post_init__(self) -> None:
+        self.announced: dict[str, tuple[Version, bool]] = {}  # peer -> (its version, reached by a round?)
         self.updates: dict[str, Update] = {}  # this round's updates, own included, checked for base
         self.held: dict[str, Update] = {}  # updates for the next round, or on another base: maybe later
         self.ready_at: float | None = None  # when this replica's own update was in
@@ -243,7 +245,7 @@ class Replica:
         version_samples = self.state.version.samples + total
         self.state = SharedState.create(self.round + 1, version_samples, params, momentum)
         self.counters.rounds += 1
-        self.expected = set(used) - {self.me}
+        self.expected = (set(used) | self._in_step()) - {self.me}
         self.updates, held, self.ready_at = {}, self.held, None
         self.held = {}
         for update in held.values():  # next-round updates now belong to this round
@@ -274,20 +276,45 @@ class Replica:
 
     # --- versions -----------------------------------------------------------------------------------
 
-    def wants(self, version: Version) -> bool:
-        """Whether a peer's announced version should replace this replica's state."""
+    def note_version(self, peer: str, version: Version, synced: bool) -> None:
+        """A peer announced its version; `synced` when it got there by closing a round (or genesis).
+
+        Peers in step (synced, on this replica's version) are waited for; a peer that fetched the
+        state (a joiner, a restarted node) is not, until it has contributed to a round.
+        """
+        self.announced[peer] = (version, synced)
+        if synced and version == self.state.version:
+            self.expected.add(peer)
+
+    def _in_step(self) -> set[str]:
+        return {p for p, (v, synced) in self.announced.items() if synced and v == self.state.version}
+
+    def wants(self, version: Version, in_round: bool = False) -> bool:
+        """Whether a peer's announced version should replace this replica's state.
+
+        `in_round`: this replica is still in its round, so a version one round ahead is one it will
+        most likely reach itself; it decides after closing (fetching it now would waste a transfer).
+        """
+        if in_round and version.round == self.round + 1:
+            return False
         return version.preferred_over(self.state.version)
 
     def adopt(self, state: SharedState, local: torch.Tensor) -> torch.Tensor:
-        """Take a fetched state; returns `local` rebased onto it (local progress is kept).
+        """Take a fetched state; returns `local` rebased onto it.
 
-        This round's updates were relative to the old state and are dropped, except held ones on
-        the new state's base, which count again.
+        Progress not yet sent is kept; progress already sent as this round's update is not carried
+        over (the adopted state may include it already; if it does not, it was late). This round's
+        updates were relative to the old state and are dropped, except held ones on the new state's
+        base, which count again.
         """
-        rebased = state.params + (local - self.state.params)
+        progress = local - self.state.params
+        if self.me in self.updates:
+            progress -= self.updates[self.me].delta
+        rebased = state.params + progress
         self.state = state
         self.counters.adopted += 1
-        self.updates, self.ready_at, self.expected = {}, None, set()
+        self.updates, self.ready_at = {}, None
+        self.expected = self._in_step() - {self.me}
         held, self.held = self.held, {}
         for update in held.values():
             if update.round >= self.round:

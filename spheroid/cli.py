@@ -14,14 +14,16 @@ import click
 import torch
 
 from . import checkpoint
+from .averaging import CODECS, OUTER_STEPS, AveragingConfig
 from .chain import generate as run_chain
 from .config import NodeConfig, RunConfig, override
 from .data import DataError, fixed_windows, load_bytes
-from .node.client import fetch_status
+from .node.client import assemble_swarm, fetch_status
 from .node.connection import PeerGone
 from .node.identity import IdentityError
 from .node.identity import load_or_create as load_identity
 from .node.node import Node
+from .node.worker import BlockWorker
 from .train import (
     evaluate_bound,
     evaluate_chain,
@@ -84,6 +86,40 @@ def load_config(config_file: str | None, **model_noise_train) -> RunConfig:
     )
 
 
+def run_config_options(func):
+    """The model, noise and training flags shared by `train` and `node` (they override --config)."""
+    options = [
+        click.option("--steps", "train__steps", type=int),
+        click.option("--batch", "train__batch", type=int),
+        click.option("--lr", "train__lr", type=float),
+        click.option("--seed", "train__seed", type=int),
+        click.option("--d-model", "model__d_model", type=int),
+        click.option("--n-heads", "model__n_heads", type=int),
+        click.option("--layers-per-block", "model__layers_per_block", type=int),
+        click.option("--n-blocks", "model__n_blocks", type=int,
+                     help="Blocks of the model (for --reference: depth is n_blocks x layers_per_block)."),
+        click.option("--context", "model__context", type=int),
+        click.option("--codebook-seed", "model__codebook_seed", type=int),
+        click.option("--codebook-norm", "model__codebook_norm", type=float),
+        click.option("--codebook-file", "model__codebook_file", help="Genesis codebook (from `spheroid codebook`)."),
+        click.option("--codebook-sha256", "model__codebook_sha256", help="sha256 the genesis codebook file must have."),
+        click.option("--edm-skip/--no-edm-skip", "model__edm_skip", default=None,
+                     help="EDM's skip path c_skip * z in the denoiser (method.md has it; the default is without)."),
+        click.option("--layout", "model__layout", type=click.Choice(["concat", "merged"]),
+                     help="Block token layout: concat ([clean | noisy], any K) or merged (one token per byte, K = 1)."),
+        click.option("--p-mean", "noise__p_mean", type=float),
+        click.option("--p-std", "noise__p_std", type=float),
+        click.option("--sigma-min", "noise__sigma_min", type=float),
+        click.option("--sigma-max", "noise__sigma_max", type=float),
+        click.option("--block-input", "train__block_input", type=click.Choice(["noised", "chain"]),
+                     help="noised: e(y) + sigma eps (method.md; what swarm nodes do); chain: states of the earlier "
+                          "blocks' chain, which must already be in --out (`train` only)."),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
 @main.command()
 @click.option("--block", type=int, default=None, help="Train this block (0 = highest noise band).")
 @click.option("--reference", is_flag=True, help="Train the end-to-end reference instead of a block.")
@@ -91,31 +127,7 @@ def load_config(config_file: str | None, **model_noise_train) -> RunConfig:
               help="Checkpoint folder; blocks trained into one folder form the assembled model.")
 @click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
               help="RunConfig JSON (as written beside every checkpoint); flags override it.")
-@click.option("--steps", "train__steps", type=int)
-@click.option("--batch", "train__batch", type=int)
-@click.option("--lr", "train__lr", type=float)
-@click.option("--seed", "train__seed", type=int)
-@click.option("--d-model", "model__d_model", type=int)
-@click.option("--n-heads", "model__n_heads", type=int)
-@click.option("--layers-per-block", "model__layers_per_block", type=int)
-@click.option("--n-blocks", "model__n_blocks", type=int,
-              help="Blocks of the model (for --reference: depth is n_blocks x layers_per_block).")
-@click.option("--context", "model__context", type=int)
-@click.option("--codebook-seed", "model__codebook_seed", type=int)
-@click.option("--codebook-norm", "model__codebook_norm", type=float)
-@click.option("--codebook-file", "model__codebook_file", help="Genesis codebook (from `spheroid codebook`).")
-@click.option("--codebook-sha256", "model__codebook_sha256", help="sha256 the genesis codebook file must have.")
-@click.option("--edm-skip/--no-edm-skip", "model__edm_skip", default=None,
-              help="EDM's skip path c_skip * z in the denoiser (method.md has it; the default is without).")
-@click.option("--layout", "model__layout", type=click.Choice(["concat", "merged"]),
-              help="Block token layout: concat ([clean | noisy], any K) or merged (one token per byte, K = 1).")
-@click.option("--p-mean", "noise__p_mean", type=float)
-@click.option("--p-std", "noise__p_std", type=float)
-@click.option("--sigma-min", "noise__sigma_min", type=float)
-@click.option("--sigma-max", "noise__sigma_max", type=float)
-@click.option("--block-input", "train__block_input", type=click.Choice(["noised", "chain"]),
-              help="noised: e(y) + sigma eps (method.md); chain: states of the earlier blocks' chain, "
-                   "which must already be in --out.")
+@run_config_options
 @click.option("--save-every", type=int, default=0, help="Also snapshot into OUT/steps/<step>/ every N steps.")
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Write wall time, FLOPs and peak memory as JSON.")
 @data_option
@@ -256,24 +268,81 @@ def tls_options(func):
 @click.option("--identity", default="node-identity.json", show_default=True,
               help="Node identity file, created on first run; the peer table is saved beside it.")
 @click.option("--role", default="worker", show_default=True)
-@click.option("--block", "blocks", type=int, multiple=True, help="Block(s) this node holds (repeatable).")
+@click.option("--block", "block", type=int, default=None,
+              help="Train this block with the other nodes that train it (needs --data).")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Where the training node checkpoints after every round (default node-block-<B>).")
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
+              help="RunConfig JSON; flags override it. Every replica of a block must use the same model.")
+@run_config_options
+@click.option("--every", type=int, default=AveragingConfig.every, show_default=True,
+              help="H: local steps between averaging rounds.")
+@click.option("--codec", type=click.Choice(sorted(CODECS)), default=AveragingConfig.codec, show_default=True,
+              help="How updates travel.")
+@click.option("--lz4/--no-lz4", default=AveragingConfig.lz4, show_default=True, help="lz4 on top of the codec.")
+@click.option("--wait", type=float, default=AveragingConfig.wait, show_default=True,
+              help="Round deadline: seconds to wait for peers' updates once this node's own is ready.")
+@click.option("--outer", type=click.Choice(OUTER_STEPS), default=AveragingConfig.outer, show_default=True,
+              help="Outer step: plain averaging (the paper) or Nesterov momentum on the averaged update (DiLoCo).")
+@click.option("--outer-lr", type=float, default=AveragingConfig.outer_lr, show_default=True)
+@click.option("--outer-momentum", type=float, default=AveragingConfig.outer_momentum, show_default=True)
+@click.option("--threads", type=int, default=1, show_default=True, help="torch threads for training.")
 @click.option("--status-interval", type=float, default=5.0, show_default=True, help="Seconds between status lines.")
+@data_option
 @tls_options
 @fail_clearly
-def node(listen, peers, announce, swarm, secret_file, identity, role, blocks, status_interval, tls_cert, tls_key,
-         tls_ca) -> None:
-    """Run a node: serve the protocol, join the swarm through --peer, until Ctrl-C."""
+def node(listen, peers, announce, swarm, secret_file, identity, role, block, out, config_file, every, codec, lz4,
+         wait, outer, outer_lr, outer_momentum, threads, status_interval, data_dir, tls_cert, tls_key, tls_ca,
+         **overrides) -> None:
+    """Run a node: serve the protocol, join the swarm through --peer, train --block B if given, until Ctrl-C."""
     cfg = NodeConfig(listen=listen, peers=tuple(peers), announce=announce, swarm=swarm, identity=identity, role=role,
-                     blocks=tuple(blocks), status_interval=status_interval, tls_cert=tls_cert, tls_key=tls_key,
-                     tls_ca=tls_ca)
+                     blocks=() if block is None else (block,), status_interval=status_interval, tls_cert=tls_cert,
+                     tls_key=tls_key, tls_ca=tls_ca)
     secret = read_secret(secret_file)
     ident = load_identity(cfg.identity)
     try:
-        run_async(Node(cfg, ident, secret).run())
+        member = Node(cfg, ident, secret)
+        work = None
+        if block is not None:
+            overrides["train__block_input"] = overrides.get("train__block_input") or "noised"
+            run = load_config(config_file, **overrides)
+            averaging = AveragingConfig(every=every, codec=codec, lz4=lz4, wait=wait, outer=outer, outer_lr=outer_lr,
+                                        outer_momentum=outer_momentum)
+            torch.set_num_threads(threads)
+            worker = BlockWorker(member, run, averaging, block, load_bytes(data_dir, "train"),
+                                 Path(out or f"node-block-{block}"))
+            work = worker.run
+        run_async(member.run(work))
     except OSError as exc:
         raise Failure(f"cannot serve on {listen}: {exc}") from exc
     finally:
         ident.release()
+
+
+@main.command()
+@click.option("--peer", required=True, help="HOST:PORT of any node of the swarm.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint folder to write.")
+@click.option("--swarm", default="spheroid", show_default=True)
+@click.option("--secret-file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--timeout", type=float, default=10.0, show_default=True)
+@tls_options
+@fail_clearly
+def assemble(peer, out, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) -> None:
+    """Collect the newest state of every block from the swarm into a checkpoint `eval` and `generate` read."""
+    cfg = NodeConfig(swarm=swarm, role="client", timeout=timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
+    found: list = []
+
+    async def collect() -> None:
+        found.extend(await assemble_swarm(peer, cfg, Path(out), read_secret(secret_file)))
+
+    try:
+        run_async(collect())
+    except (OSError, TimeoutError, PeerGone, ProtocolError) as exc:
+        raise Failure(f"cannot assemble from {peer}: {exc}") from exc
+    for block, holder, version in found:
+        click.echo(f"block {block}: round {version.round}, {version.samples} samples, state {version.hash[:12]} "
+                   f"from {holder}")
+    click.echo(f"checkpoint in {out}")
 
 
 @main.command()

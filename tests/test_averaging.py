@@ -22,9 +22,12 @@ def replicas(n: int, cfg: AveragingConfig | None = None) -> list[Replica]:
     cfg = cfg or AveragingConfig(wait=1.0)
     names = [f"{i:032x}" for i in range(n)]
     state = start_state(nesterov=cfg.outer == "nesterov")
-    # they start together from one genesis state, so each expects the others in the first round
-    return [Replica(name, SharedState(state.version, state.params.clone(), state.momentum), cfg,
-                    expected=set(names) - {name}) for name in names]
+    group = [Replica(name, SharedState(state.version, state.params.clone(), state.momentum), cfg) for name in names]
+    for r in group:  # they start together from one genesis state and say so
+        for other in group:
+            if other is not r:
+                r.note_version(other.me, other.state.version, synced=True)
+    return group
 
 
 def exchange(group: list[Replica], deltas: list[torch.Tensor], samples: list[int]) -> list[Update]:
@@ -137,6 +140,10 @@ def test_adopting_a_state_keeps_local_progress_and_verifies_the_hash():
     rebased = me.adopt(received, local)
     torch.testing.assert_close(rebased, newer.params + 0.5)
     assert me.state.version == newer.version
+    # an update already sent is not carried over: the adopted state may hold it already
+    me.submit(torch.full((P,), 0.25), 8, now=0.0)
+    again = SharedState.create(2, 99, newer.params + 1.0, None)
+    torch.testing.assert_close(me.adopt(again, rebased + 0.25), again.params + 0.5)
     with pytest.raises(ValueError, match="does not match"):
         SharedState.unpack(Version(1, 8, "0" * 64), newer.flat(), P)
     with pytest.raises(ValueError, match="float32 values"):
@@ -206,18 +213,33 @@ class Sim:
         self.local[r.me] = closed.state.params.clone()
         for peer in self.group:
             if peer is not r:
-                self.at(self.latency, self.announce, peer, r, closed.state.version)
+                self.at(self.latency, self.announce, peer, r, closed.state.version, True)
+        self.maybe_fetch(r)
         self.train(r)
 
-    def announce(self, r: Replica, sender: Replica, version: Version) -> None:
-        if r.me not in self.dead and sender.me not in self.dead and r.wants(version):
-            self.at(2 * self.latency, self.fetched, r, SharedState(sender.state.version, sender.state.params.clone()))
+    def announce(self, r: Replica, sender: Replica, version: Version, synced: bool) -> None:
+        if r.me in self.dead or sender.me in self.dead:
+            return
+        r.note_version(sender.me, version, synced)
+        self.maybe_fetch(r)
+
+    def maybe_fetch(self, r: Replica) -> None:
+        """What a node does with the versions it heard: fetch a preferred one from its holder."""
+        in_round = self.now < self.stop_at
+        for peer in self.group:
+            version = r.announced.get(peer.me, (None, None))[0]
+            if version and peer.me not in self.dead and peer.state.version == version and r.wants(version, in_round):
+                self.at(2 * self.latency, self.fetched, r, SharedState(version, peer.state.params.clone()))
+                return
 
     def fetched(self, r: Replica, state: SharedState) -> None:
-        if r.me in self.dead or not r.wants(state.version):
+        if r.me in self.dead or not r.wants(state.version, in_round=self.now < self.stop_at):
             return
         was_waiting = r.ready_at is not None
         self.local[r.me] = r.adopt(state, self.local[r.me])
+        for peer in self.group:
+            if peer is not r:
+                self.at(self.latency, self.announce, peer, r, state.version, False)
         if was_waiting:  # its round was dropped with the old base: back to training
             self.train(r)
 
@@ -271,3 +293,25 @@ def test_fake_clock_killed_replica_catches_up_and_matches_after_the_next_round()
     sim.run(until=45.0)
     assert len(sim.hashes()) == 1
     assert restarted.round == survivors[0].round
+
+
+def test_fake_clock_joiner_syncs_and_nobody_waits_for_it():
+    sim = Sim([1.0, 1.0, 1.0], wait=2.0)
+    joiner = sim.group[2]
+    sim.dead.add(joiner.me)  # not started yet; the others begin in step without it
+    for r in sim.group[:2]:
+        r.expected.discard(joiner.me)
+    sim.run(until=6.2)
+    sim.dead.discard(joiner.me)
+    sim.train(joiner)
+    donor = sim.group[0]
+    sim.announce(joiner, donor, donor.state.version, True)  # what it hears on connecting
+    sim.run(until=12.0)
+    assert joiner.counters.adopted >= 1
+    # rounds the others closed after it joined: never held to the deadline by the joiner
+    for me, _, ready, closed in sim.closes:
+        if me != joiner.me and ready > 6.2:
+            assert closed - ready < 1.0
+    sim.stop_at = 12.0
+    sim.run(until=30.0)
+    assert len(sim.hashes()) == 1

@@ -6,12 +6,21 @@ Clients are not members: nodes never gossip them. `spheroid status` is built on 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+from pathlib import Path
 
-from ..config import NodeConfig, parse_addr
+from torch.nn.utils import vector_to_parameters
+
+from .. import checkpoint
+from ..averaging import SharedState, Version
+from ..config import NodeConfig, RunConfig, parse_addr
+from ..model import DiffusionBlock
 from .accounting import Traffic
-from .connection import Connection
+from .connection import Connection, PeerGone
 from .node import handshake, ssl_contexts
+
+log = logging.getLogger(__name__)
 
 
 async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None) -> Connection:
@@ -44,3 +53,69 @@ async def fetch_status(addr: str, cfg: NodeConfig, secret: bytes | None = None) 
         return (await conn.request({"t": "status"}))["status"]
     finally:
         await conn.close()
+
+
+async def assemble_swarm(addr: str, cfg: NodeConfig, out: Path, secret: bytes | None = None
+                         ) -> list[tuple[int, str, Version]]:
+    """Collect the preferred state of every block from the swarm reachable through addr into `out`.
+
+    Asks addr for its peers, asks every training member for its version, and fetches each block
+    from a holder of its preferred version (later round, more samples, smaller hash: the rule the
+    replicas themselves use). Returns (block, holder address, version) per block. Assembly is only
+    collecting: no step runs after it.
+    """
+    conn = await connect(addr, cfg, secret)
+    try:
+        members = {addr: (await conn.request({"t": "status"}))["status"]}
+        peers = (await conn.request({"t": "peers"}))["peers"]
+    finally:
+        await conn.close()
+    for entry in peers:
+        if entry["blocks"] and entry["addr"] not in members:
+            try:
+                members[entry["addr"]] = await fetch_status(entry["addr"], cfg, secret)
+            except (OSError, TimeoutError, PeerGone) as exc:
+                log.warning("skipping %s: %s", entry["addr"], exc)
+    best: dict[int, tuple[Version, str]] = {}
+    n_blocks = None
+    for member_addr, status in members.items():
+        training = status.get("training")
+        if not training:
+            continue
+        n_blocks = training["n_blocks"]
+        version = Version(**training["version"])
+        block = training["block"]
+        if block not in best or version.preferred_over(best[block][0]):
+            best[block] = (version, member_addr)
+    if n_blocks is None:
+        raise PeerGone(f"no node reachable through {addr} trains a block")
+    missing = [b for b in range(n_blocks) if b not in best]
+    if missing:
+        raise PeerGone(f"no reachable node holds block(s) {missing}; start nodes for them or wait for gossip")
+    found, first_cfg = [], None
+    for block, (_, holder) in sorted(best.items()):
+        run_cfg, state = await fetch_state(holder, block, cfg, secret)
+        module = DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data)
+        vector_to_parameters(state.params, module.parameters())
+        if first_cfg is not None and (run_cfg.model, run_cfg.noise) != (first_cfg.model, first_cfg.noise):
+            raise PeerGone(f"block {block} from {holder} belongs to another model than block 0")
+        first_cfg = first_cfg or run_cfg
+        checkpoint.save(out, checkpoint.block_name(block), module, run_cfg,
+                        {"block": block, **state.version.to_wire(), "source": holder})
+        found.append((block, holder, state.version))
+    return found
+
+
+async def fetch_state(addr: str, block: int, cfg: NodeConfig, secret: bytes | None = None
+                      ) -> tuple[RunConfig, SharedState]:
+    """A block's shared state (hash verified) and run configuration, from the node at addr."""
+    conn = await connect(addr, cfg, secret)
+    try:
+        reply = await conn.request({"t": "state_get", "block": block})
+        flat = conn.streams.take(reply["stream"])
+    finally:
+        await conn.close()
+    run_cfg = RunConfig.from_dict(reply["config"])
+    n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data).parameters())
+    version = Version(reply["round"], reply["samples"], reply["hash"])
+    return run_cfg, SharedState.unpack(version, flat, n_params)

@@ -21,6 +21,7 @@ import re
 import signal
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,6 +127,11 @@ class Node:
         self._stopped = asyncio.Event()
         self._ssl_server, self._ssl_client = ssl_contexts(cfg)
         self.state_file = Path(f"{cfg.identity}.peers.json")
+        # what a node does besides membership (training, serving) plugs in here
+        self.handlers: dict[str, Callable[[Connection, dict], Awaitable[None]]] = {}  # by message type
+        self.peer_hooks: list[Callable[[Connection], Awaitable[None]]] = []  # run when a peer registers
+        self.status_parts: dict[str, Callable[[], dict]] = {}  # extra sections of status()
+        self.line_parts: list[Callable[[], str]] = []  # extra fields of the status line
 
     # --- life cycle -------------------------------------------------------------------------------
 
@@ -135,16 +141,29 @@ class Node:
         log.info("node %s listening on %s (swarm %s, role %s%s)", self.id[:8], self.cfg.listen, self.cfg.swarm,
                  self.cfg.role, ", authenticated" if self.secret else "")
         for loop in (self._ping_loop, self._gossip_loop, self._seed_loop, self._status_loop):
-            self._spawn(loop())
+            self.spawn(loop())
 
-    async def run(self) -> None:
-        """Start, serve until SIGINT/SIGTERM, then shut down cleanly."""
+    async def run(self, work: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Start, run `work` (training) beside the server, serve until SIGINT/SIGTERM, shut down cleanly.
+
+        If `work` fails, the node stops and the error is raised.
+        """
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stopped.set)
         await self.start()
+        failures: list[BaseException] = []
+        if work is not None:
+            def finished(task: asyncio.Task) -> None:
+                if not task.cancelled() and task.exception() is not None:
+                    failures.append(task.exception())
+                    self._stopped.set()
+
+            self.spawn(work()).add_done_callback(finished)
         await self._stopped.wait()
         await self.stop()
+        if failures:
+            raise failures[0]
 
     async def stop(self) -> None:
         """Say goodbye to every peer, close everything, write the peer table."""
@@ -165,7 +184,7 @@ class Node:
         entries = [p.entry() for p in self.known.values()]
         atomic_write(self.state_file, json.dumps({"node": self.id, "peers": entries}, indent=1).encode())
 
-    def _spawn(self, coro) -> asyncio.Task:
+    def spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -193,7 +212,7 @@ class Node:
         conn = Connection(reader, writer, self.traffic, self.cfg.timeout, self.cfg.recv_budget)
         conn.outbound = True
         admitted = asyncio.get_running_loop().create_future()
-        self._spawn(self._admit(conn, admitted))
+        self.spawn(self._admit(conn, admitted))
         try:
             return conn if await admitted else None
         finally:
@@ -249,14 +268,20 @@ class Node:
                 return False
         self.conns[conn.label] = conn
         if existing is not None and existing is not conn:
-            self._spawn(existing.close())
+            self.spawn(existing.close())
         info = self.known.get(conn.label)
         if info is None:
             log.info("peer %s joined from %s (role %s, blocks %s)", conn.label[:8], hello["addr"], hello["role"],
                      hello["blocks"])
         self.known[conn.label] = PeerInfo(conn.label, hello["addr"], hello["role"], hello["blocks"],
                                           rtt_ms=info.rtt_ms if info else None)
+        for hook in self.peer_hooks:
+            self.spawn(hook(conn))
         return True
+
+    def peers_holding(self, block: int) -> list[Connection]:
+        """Open connections to members that announced `block`, in node-id order."""
+        return [c for n, c in sorted(self.conns.items()) if not c.closed and block in c.hello.get("blocks", [])]
 
     # --- messages ---------------------------------------------------------------------------------
 
@@ -283,6 +308,8 @@ class Node:
                 elements += tensor.numel()
                 nbytes += tensor.numel() * tensor.element_size()
             await conn.send({"t": "probe_reply", "re": msg["id"], "elements": elements, "bytes": nbytes})
+        elif kind in self.handlers:
+            await self.handlers[kind](conn, msg)
         elif kind == "bye":
             raise PeerGone(f"{conn.label[:8]} said goodbye ({msg['reason']})")
         elif kind == "error":
@@ -340,10 +367,12 @@ class Node:
             info.last_seen = now  # someone is still connected to it
 
     async def _seed_loop(self) -> None:
+        retry = 0.25  # while alone, retry the seeds soon (they may be starting too), backing off
         while True:
             connected = {c.hello.get("addr") for c in self.conns.values()}
             await asyncio.gather(*(self.dial(a) for a in self.cfg.peers if a not in connected))
-            await asyncio.sleep(self.cfg.seed_interval)
+            retry = self.cfg.seed_interval if self.conns else min(2 * retry, self.cfg.seed_interval)
+            await asyncio.sleep(retry)
 
     async def _status_loop(self) -> None:
         while True:
@@ -365,12 +394,14 @@ class Node:
             "authenticated": self.secret is not None, "tls": self._ssl_server is not None,
             "peers": sorted(peers, key=lambda p: p["node"]), "known": len(self.known),
             "traffic": self.traffic.totals(), "traffic_by_type": self.traffic.by_type(),
+            **{name: part() for name, part in self.status_parts.items()},
         }
 
     def status_line(self) -> str:
         totals = self.traffic.totals()
         rtts = [i.rtt_ms for n, i in self.known.items() if n in self.conns and i.rtt_ms is not None]
         rtt = f"{sum(rtts) / len(rtts):.1f} ms" if rtts else "-"
-        return (f"node {self.id[:8]} | peers {len(self.conns)} connected, {len(self.known)} known | "
+        extra = "".join(f"{part()} | " for part in self.line_parts)
+        return (f"node {self.id[:8]} | {extra}peers {len(self.conns)} connected, {len(self.known)} known | "
                 f"sent {totals['sent']['wire_bytes'] / 2**20:.2f} MiB, received "
                 f"{totals['received']['wire_bytes'] / 2**20:.2f} MiB | mean RTT {rtt}")

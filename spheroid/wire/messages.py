@@ -37,6 +37,13 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # bandwidth probe: the sender streamed tensors; the receiver acknowledges what it got
     "probe": {"streams": "list"},
     "probe_reply": {"elements": "uint", "bytes": "uint"},
+    # averaging same-block updates (spheroid/averaging.py): the delta or state tensor travels first
+    # as a stream on the same connection, then the message that names it
+    "version": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "synced": "bool"},
+    "update": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "stream": "uint"},
+    "state_get": {"block": "uint"},
+    "state_reply": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "stream": "uint",
+                    "config": "map"},
     # errors and goodbyes
     "error": {"code": "str", "message": "str"},
     "bye": {"reason": "str"},

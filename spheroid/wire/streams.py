@@ -18,7 +18,7 @@ import torch
 
 from .codec import EncodedTensor, encode
 from .errors import ProtocolError
-from .tensors import DEFAULT_LIMITS, DTYPE_NAMES, DTYPES, Limits, encode_tensor
+from .tensors import DEFAULT_LIMITS, DTYPE_NAMES, DTYPES, Limits, decode_tensor, encode_tensor
 
 CHUNK_BYTES = 1 << 20
 
@@ -38,9 +38,7 @@ def stream_frames(
     Lazy: each chunk is encoded when the iterator reaches it, so a caller can run `next()` in a
     worker thread and keep the event loop free.
     """
-    flat = tensor.detach().to("cpu").contiguous().view(-1)
-    chunk_elems = max(1, chunk_bytes // flat.element_size())
-    chunks = math.ceil(flat.numel() / chunk_elems)
+    flat, chunk_elems, chunks = _layout(tensor, chunk_bytes)
     begin = encode({"t": "stream_begin", "id": next_id(), "stream": stream, "dtype": DTYPE_NAMES[flat.dtype],
                     "shape": list(tensor.shape), "chunks": chunks, "chunk_elems": chunk_elems})
     yield Outgoing("stream_begin", begin, len(begin))
@@ -49,6 +47,25 @@ def stream_frames(
         frame = encode({"t": "stream_chunk", "id": next_id(), "stream": stream, "seq": seq,
                         "data": EncodedTensor(encode_tensor(piece, codec, compression))})
         yield Outgoing("stream_chunk", frame, piece.numel() * piece.element_size())
+
+
+def _layout(tensor: torch.Tensor, chunk_bytes: int) -> tuple[torch.Tensor, int, int]:
+    """(the flat tensor, elements per chunk, number of chunks) of a stream."""
+    flat = tensor.detach().to("cpu").contiguous().view(-1)
+    chunk_elems = max(1, chunk_bytes // flat.element_size())
+    return flat, chunk_elems, math.ceil(flat.numel() / chunk_elems)
+
+
+def through_codec(tensor: torch.Tensor, codec: str, compression: str = "none",
+                  chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """What a receiver of `tensor` as a stream gets: every chunk encoded and decoded as on the wire.
+
+    A sender averages its own update in this form, so every replica sums identical values.
+    """
+    flat, chunk_elems, chunks = _layout(tensor, chunk_bytes)
+    pieces = [decode_tensor(encode_tensor(flat[i * chunk_elems : (i + 1) * chunk_elems], codec, compression))
+              for i in range(chunks)]
+    return torch.cat(pieces).view(tensor.shape) if pieces else flat.clone().view(tensor.shape)
 
 
 class _Partial:
