@@ -92,6 +92,12 @@ VALID = {
                      "status": {"counts": tensor_json([1, 2, 3], [3], "int64")}},
     "probe": {"t": "probe", "id": 19, "streams": [1, 2]},
     "probe_reply": {"t": "probe_reply", "id": 20, "re": 19, "elements": 9, "bytes": 36},
+    "version": {"t": "version", "id": 21, "block": 2, "round": 7, "samples": 1792, "hash": "ab" * 32,
+                "synced": True},
+    "update": {"t": "update", "id": 22, "block": 2, "round": 7, "base": "ab" * 32, "samples": 256, "stream": 5},
+    "state_get": {"t": "state_get", "id": 23, "block": 2},
+    "state_reply": {"t": "state_reply", "id": 24, "re": 23, "block": 2, "round": 7, "samples": 1792,
+                    "hash": "ab" * 32, "stream": 6, "config": {"model": {"d_model": 32}}},
 }
 
 INVALID = {

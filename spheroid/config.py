@@ -95,8 +95,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.block_input not in ("noised", "chain"):
             raise ValueError(f"block_input must be 'noised' or 'chain', got {self.block_input!r}")
-        if self.steps < 1 or self.batch < 1 or self.lr <= 0:
-            raise ValueError("steps and batch must be at least 1 and lr positive")
+        if self.steps < 0 or self.batch < 1 or self.lr <= 0:  # 0 steps: a swarm node that only holds its block
+            raise ValueError("steps must be at least 0, batch at least 1 and lr positive")
 
 
 @dataclass(frozen=True)

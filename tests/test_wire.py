@@ -175,8 +175,18 @@ def test_every_malformed_input_class_is_a_protocol_error(name):
     with pytest.raises(ProtocolError) as err:
         decoder.feed(data)
     assert err.value.code == code
-    with pytest.raises(ProtocolError, match="already failed"):
+    with pytest.raises(ProtocolError) as again:  # dead from then on
         decoder.feed(encode({"t": "peers", "id": 2}))
+    assert again.value.code == code
+
+
+def test_messages_before_a_bad_frame_come_out_first_then_the_error():
+    decoder = Decoder()
+    data = encode({"t": "status", "id": 1}) + encode({"t": "peers", "id": 2}) + encode({"t": "nonsense", "id": 3})
+    assert [m["t"] for m, _ in decoder.feed(data)] == ["status", "peers"]
+    assert decoder.error is not None and decoder.error.code == "unknown_type"
+    with pytest.raises(ProtocolError, match="unknown message type"):
+        decoder.feed(b"")
 
 
 def test_truncated_frame_waits_and_never_yields():

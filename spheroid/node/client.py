@@ -59,23 +59,12 @@ async def assemble_swarm(addr: str, cfg: NodeConfig, out: Path, secret: bytes | 
                          ) -> list[tuple[int, str, Version]]:
     """Collect the preferred state of every block from the swarm reachable through addr into `out`.
 
-    Asks addr for its peers, asks every training member for its version, and fetches each block
+    Crawls the membership from addr, reads every training member's version, and fetches each block
     from a holder of its preferred version (later round, more samples, smaller hash: the rule the
     replicas themselves use). Returns (block, holder address, version) per block. Assembly is only
     collecting: no step runs after it.
     """
-    conn = await connect(addr, cfg, secret)
-    try:
-        members = {addr: (await conn.request({"t": "status"}))["status"]}
-        peers = (await conn.request({"t": "peers"}))["peers"]
-    finally:
-        await conn.close()
-    for entry in peers:
-        if entry["blocks"] and entry["addr"] not in members:
-            try:
-                members[entry["addr"]] = await fetch_status(entry["addr"], cfg, secret)
-            except (OSError, TimeoutError, PeerGone) as exc:
-                log.warning("skipping %s: %s", entry["addr"], exc)
+    members = await crawl(addr, cfg, secret)
     best: dict[int, tuple[Version, str]] = {}
     n_blocks = None
     for member_addr, status in members.items():
@@ -119,3 +108,31 @@ async def fetch_state(addr: str, block: int, cfg: NodeConfig, secret: bytes | No
     n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data).parameters())
     version = Version(reply["round"], reply["samples"], reply["hash"])
     return run_cfg, SharedState.unpack(version, flat, n_params)
+
+
+async def crawl(addr: str, cfg: NodeConfig, secret: bytes | None = None, limit: int = 256) -> dict[str, dict]:
+    """The status of every member reachable from addr (breadth first over their peer lists), by address.
+
+    addr must answer; members that do not are skipped with a warning.
+    """
+    members: dict[str, dict] = {}
+    queue, seen = [addr], {addr}
+    while queue and len(members) < limit:
+        here = queue.pop(0)
+        try:
+            conn = await connect(here, cfg, secret)
+            try:
+                members[here] = (await conn.request({"t": "status"}))["status"]
+                peers = (await conn.request({"t": "peers"}))["peers"]
+            finally:
+                await conn.close()
+        except (OSError, TimeoutError, PeerGone) as exc:
+            if here == addr:
+                raise
+            log.warning("skipping %s: %s", here, exc)
+            continue
+        for entry in peers:
+            if isinstance(entry, dict) and isinstance(entry.get("addr"), str) and entry["addr"] not in seen:
+                seen.add(entry["addr"])
+                queue.append(entry["addr"])
+    return members

@@ -101,6 +101,8 @@ class Connection:
     async def recv(self, timeout: float | None = None) -> dict:
         """The next message from the peer; PeerGone on close or timeout, ProtocolError on bad input."""
         while not self._inbox:
+            if self.decoder.error is not None:  # what came before the bad frame has been handled
+                raise self.decoder.error
             try:
                 data = await asyncio.wait_for(self.reader.read(1 << 18), timeout or self.timeout)
             except TimeoutError:

@@ -36,6 +36,7 @@ from .node import Node
 log = logging.getLogger(__name__)
 
 MAX_SERVING = 2  # state transfers a donor runs at once; more requesters are told to try another holder
+HISTORY = 50  # rounds kept in the status
 JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer,
 JOIN_SETTLE_S = 0.5  # then listens this long for versions before it picks a donor
 
@@ -80,6 +81,7 @@ class BlockWorker:
         self.serving = 0
         self.served = 0
         self.done = False
+        self.history: list[dict] = []  # the last rounds: how many updates, how long this node waited
         self.changed = asyncio.Event()
         node.handlers.update(update=self.on_update, version=self.on_version, state_get=self.on_state_get)
         node.peer_hooks.append(self.on_peer)
@@ -205,7 +207,11 @@ class BlockWorker:
             gone = {p for p in self.replica.expected if p not in self.node.conns or self.node.conns[p].closed}
             now = time.monotonic()
             if self.replica.can_close(now, gone):
+                waited = now - self.replica.ready_at
                 closed = self.replica.close()
+                self.history.append({"round": closed.state.version.round - 1, "updates": len(closed.contributors),
+                                     "waited_s": round(waited, 3)})
+                del self.history[:-HISTORY]
                 self.synced = True
                 self.set_params(closed.state.params)
                 self.save()
@@ -335,7 +341,7 @@ class BlockWorker:
         return {"block": self.block, "step": self.step, "steps": self.cfg.train.steps, "loss": self.loss,
                 "round": v.round, "version": v.to_wire(), "done": self.done, "served": self.served,
                 "counters": self.replica.counters.as_dict(), "averaging": dict(self.avg.__dict__),
-                "n_blocks": self.cfg.model.n_blocks}
+                "n_blocks": self.cfg.model.n_blocks, "params": self.n_params, "history": self.history}
 
     def status_line(self) -> str:
         v = self.replica.state.version

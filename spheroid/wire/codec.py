@@ -81,8 +81,9 @@ class Received(NamedTuple):
 class Decoder:
     """Feed it bytes as they arrive; it returns the complete messages, or raises ProtocolError.
 
-    After an error the decoder is dead: the connection must be closed, since the byte stream can
-    no longer be trusted to be aligned on frames.
+    Messages that were complete before a bad frame are returned first, in order; the error is then
+    in `error` and raised by the next call. After an error the decoder is dead: the connection must
+    be closed, since the byte stream can no longer be trusted to be aligned on frames.
     """
 
     def __init__(self, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS) -> None:
@@ -90,11 +91,11 @@ class Decoder:
         self.limits = limits
         self._buffer = bytearray()
         self._need: int | None = None  # body length of the frame being read, once its header is in
-        self._failed = False
+        self.error: ProtocolError | None = None
 
     def feed(self, data: bytes) -> list[Received]:
-        if self._failed:
-            raise ProtocolError("dead_decoder", "this decoder already failed; close the connection")
+        if self.error is not None:
+            raise self.error
         self._buffer += data
         messages = []
         try:
@@ -116,9 +117,10 @@ class Decoder:
                 del self._buffer[: self._need]
                 self._need = None
                 messages.append(Received(decode_body(body, self.max_frame, self.limits), HEADER.size + len(body)))
-        except ProtocolError:
-            self._failed = True
-            raise
+        except ProtocolError as exc:
+            self.error = exc
+            if not messages:
+                raise
         return messages
 
     @property

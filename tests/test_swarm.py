@@ -1,0 +1,153 @@
+"""Swarm training with real nodes: separate processes through the CLI, real sockets on 127.0.0.1.
+
+Rounds here are short (a tiny model, a few local steps), deadlines are a second or two, and every
+timing check has a margin of seconds: the round logic itself is tested under a fake clock in
+test_averaging.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spheroid.wire import encode, stream_frames
+
+from .nodes import NodeProcess, handshake_then, wait_until
+
+TINY = ["--d-model", "32", "--n-heads", "2", "--layers-per-block", "1", "--context", "32", "--batch", "8",
+        "--threads", "1"]
+MARGIN = 2.0  # seconds of slack on any deadline check (the machine may be busy)
+
+
+@pytest.fixture
+def swarm(tmp_path, data_dir):
+    """Start trainer nodes: swarm(name, block, *flags, seed=NodeProcess or None). All are reaped."""
+    nodes: list[NodeProcess] = []
+
+    def start(name: str, block: int, *flags: str, seed: NodeProcess | None = None, port: int | None = None):
+        args = ["--block", str(block), "--data", str(data_dir), "--out", str(tmp_path / f"{name}-ckpt"), *TINY, *flags]
+        if seed is not None:
+            args += ["--peer", seed.addr]
+        node = NodeProcess(tmp_path, name, *args, port=port).start()
+        nodes.append(node)
+        return node
+
+    yield start
+    for node in nodes:
+        node.stop()
+
+
+def training(node: NodeProcess) -> dict:
+    return node.status()["training"]
+
+
+def all_done_and_equal(nodes: list[NodeProcess]):
+    states = [training(n) for n in nodes]
+    if all(s["done"] for s in states) and len({s["version"]["hash"] for s in states}) == 1:
+        return states
+    return None
+
+
+def test_replicas_average_in_step_and_the_swarm_assembles(swarm, tmp_path, data_dir):
+    flags = ["--steps", "60", "--every", "10", "--wait", "5"]
+    a = swarm("a", 0, *flags)
+    b = swarm("b", 0, *flags, seed=a)
+    others = [swarm(f"blk{i}", i, *flags, seed=a) for i in (1, 2, 3)]
+    states = wait_until(lambda: all_done_and_equal([a, b]), 120, "block 0's replicas to finish in agreement")
+    for s in states:
+        assert s["round"] == 6 and s["version"]["samples"] == 2 * 60 * 8
+        assert s["counters"]["rejected"] == 0
+        assert sum(h["updates"] == 2 for h in s["history"]) >= 5  # averaged together, not alone
+    wait_until(lambda: all(training(n)["done"] for n in others), 120, "blocks 1-3 to finish")
+    out = tmp_path / "assembled"
+    run = subprocess.run([sys.executable, "-m", "spheroid", "assemble", "--peer", b.addr, "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"block 0: round 6, 960 samples, state {states[0]['version']['hash'][:12]}" in run.stdout
+    for block in range(4):
+        record = json.loads((out / f"block-{block}.json").read_text())
+        assert record["state"]["round"] == 6
+    ev = subprocess.run([sys.executable, "-m", "spheroid", "eval", str(out), "--data", str(data_dir), "--windows", "8",
+                         "--draws", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr
+    assert 0 < json.loads(ev.stdout)["chain_ce_m1"] < 6
+
+
+def test_slow_peer_misses_the_deadline_and_the_others_keep_time(swarm):
+    flags = ["--every", "5", "--wait", "1"]
+    a = swarm("a", 0, *flags, "--steps", "60")
+    b = swarm("b", 0, *flags, "--steps", "60", seed=a)
+    slow = swarm("slow", 0, *flags, "--steps", "10000", "--batch", "512", seed=a)  # same model, 64x the work
+    states = wait_until(lambda: [s for s in (training(a), training(b)) if s["done"]] or None, 180,
+                        "the fast replicas to finish")
+    for s in states:
+        assert s["step"] == 60 and s["round"] >= 6
+        assert all(h["waited_s"] <= 1 + MARGIN for h in s["history"])
+    assert any(h["updates"] == 2 for s in (training(a), training(b)) for h in s["history"])  # it missed rounds
+    assert training(slow)["step"] < 10000
+
+
+def test_sigkill_mid_round_then_restart_catches_up_to_the_same_hash(swarm):
+    flags = ["--every", "10", "--wait", "2", "--steps", "400", "--batch", "16"]
+    a = swarm("a", 0, *flags)
+    b = swarm("b", 0, *flags, seed=a)
+    c = swarm("c", 0, *flags, seed=a)
+    wait_until(lambda: training(c)["round"] >= 3, 120, "three rounds with the victim")
+    c.kill()  # SIGKILL: no goodbye, in whatever round it was
+    killed_at = training(a)["round"]
+    wait_until(lambda: training(a)["round"] >= killed_at + 3, 60, "the survivors to go on")
+    for node in (a, b):
+        after = [h for h in training(node)["history"] if h["round"] >= killed_at]
+        assert after and all(h["waited_s"] <= 2 + MARGIN for h in after)
+    c.start()  # same identity, same --out: it resumes from its last round's checkpoint
+    wait_until(lambda: training(c)["counters"]["adopted"] >= 1, 60, "the restarted node to catch up")
+    states = wait_until(lambda: all_done_and_equal([a, b, c]), 180, "all three to end on one state")
+    assert len({s["version"]["hash"] for s in states}) == 1
+    assert "resumed from" in c.log.read_text()
+
+
+def test_joiners_with_no_state_get_the_donors_exact_hash(swarm):
+    flags = ["--every", "5", "--wait", "2"]
+    d1 = swarm("d1", 0, *flags, "--steps", "30")
+    d2 = swarm("d2", 0, *flags, "--steps", "30", seed=d1)
+    donors = wait_until(lambda: all_done_and_equal([d1, d2]), 120, "the donors to finish")
+    joiners = [swarm(f"j{i}", 0, *flags, "--steps", "0", seed=d1 if i % 2 else d2) for i in range(3)]
+    states = wait_until(lambda: all_done_and_equal([d1, d2, *joiners]), 60, "the joiners to sync")
+    assert {s["version"]["hash"] for s in states} == {donors[0]["version"]["hash"]}
+    assert training(d1)["served"] + training(d2)["served"] >= 3
+
+
+def _update_frames(status: dict, delta: torch.Tensor, **fields) -> bytes:
+    t = status["training"]
+    ids = itertools.count(100)
+    frames = b"".join(o.frame for o in stream_frames(delta, 1, lambda: next(ids)))
+    message = {"t": "update", "id": 99, "block": 0, "round": t["round"], "base": t["version"]["hash"],
+               "samples": 8, "stream": 1, **fields}
+    # then something the node refuses, so it answers and closes and the exchange ends at once
+    return frames + encode(message) + encode({"t": "no_such_type", "id": 1000})
+
+
+def test_bad_updates_from_the_wire_are_rejected_and_the_node_keeps_training(swarm):
+    node = swarm("a", 0, "--every", "5", "--wait", "1", "--steps", "100000")
+    wait_until(lambda: training(node)["round"] >= 1, 60, "the node to train")
+    status = node.status()
+    n = status["training"]["params"]
+    handshake_then(node.addr, _update_frames(status, torch.full((n,), float("nan"))))
+    handshake_then(node.addr, _update_frames(status, torch.zeros(n + 1)))
+    handshake_then(node.addr, _update_frames(status, torch.zeros(n), round=0, base="0" * 64))
+    handshake_then(node.addr, _update_frames(status, torch.zeros(n), round=10**6))
+    got = handshake_then(node.addr, encode({"t": "update", "id": 5, "block": 0, "round": 1, "base": "x",
+                                            "samples": 1, "stream": 42}))  # names no stream: a protocol error
+    assert got[-1]["t"] == "error" and got[-1]["code"] == "bad_stream"
+    counters = wait_until(lambda: (c := training(node)["counters"])["rejected"] + c["late"] >= 4 and c, 30,
+                          "the rejections to be counted")
+    assert counters["accepted"] == 0
+    before = training(node)["step"]
+    wait_until(lambda: training(node)["step"] > before, 30, "training to go on")
+    log = node.log.read_text()
+    assert "NaN or Inf" in log and "wrong shape" in log
