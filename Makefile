@@ -12,9 +12,9 @@ PIP_TORCH_FLAGS ?=
 DATA ?= $(if $(wildcard ../shared/data/wikitext),../shared/data/wikitext,$(SPHEROID_DATA))
 PY := $(VENV)/bin/python
 SPHEROID := $(VENV)/bin/spheroid
-# the demo's model: small enough to train four blocks and the reference in a few minutes on 2 cores
+# the demo: a swarm of five nodes on 127.0.0.1 (block 0 twice), a model small enough for 2 cores
 DEMO_OUT ?= runs/demo
-DEMO_FLAGS ?= --steps 300 --d-model 64 --context 64 --batch 32
+DEMO_FLAGS ?= --steps 600 --every 20 --d-model 64 --context 64 --batch 32
 STAMP := $(VENV)/.installed
 
 export SPHEROID_DATA := $(DATA)
@@ -38,11 +38,10 @@ lint: install
 	$(PY) -m ruff check spheroid bench tests
 
 demo: install
-	for b in 0 1 2 3; do $(SPHEROID) train --block $$b $(DEMO_FLAGS) --out $(DEMO_OUT) || exit 1; done
-	$(SPHEROID) train --reference $(DEMO_FLAGS) --out $(DEMO_OUT)
-	$(SPHEROID) eval $(DEMO_OUT) --windows 64
-	$(SPHEROID) generate $(DEMO_OUT) --prompt " = Robert Boulter = " --bytes 160 --temperature 0.7
-	@echo "checkpoint: $(DEMO_OUT)"
+	$(SPHEROID) swarm --out $(DEMO_OUT) --replicas 2,1,1,1 -- $(DEMO_FLAGS)
+	$(SPHEROID) eval $(DEMO_OUT)/model --windows 64 --draws 4 | tee $(DEMO_OUT)/eval.txt
+	$(SPHEROID) generate $(DEMO_OUT)/model --prompt " = Robert Boulter = " --bytes 160 --temperature 0.7
+	@echo "checkpoint: $(DEMO_OUT)/model  metrics: $(DEMO_OUT)/metrics.json $(DEMO_OUT)/eval.txt  logs: $(DEMO_OUT)/nodes"
 
 bench-ci: install
 	$(PY) bench/quality.py --preset ci

@@ -18,6 +18,7 @@ from .averaging import CODECS, OUTER_STEPS, AveragingConfig
 from .chain import generate as run_chain
 from .config import NodeConfig, RunConfig, override
 from .data import DataError, fixed_windows, load_bytes
+from .launch import LocalSwarm
 from .node.client import assemble_swarm, fetch_status
 from .node.connection import PeerGone
 from .node.identity import IdentityError
@@ -317,6 +318,51 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
         raise Failure(f"cannot serve on {listen}: {exc}") from exc
     finally:
         ident.release()
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--out", type=click.Path(file_okay=False), default="runs/swarm", show_default=True,
+              help="Folder for the nodes' logs and checkpoints, the assembled model and metrics.json.")
+@click.option("--replicas", default="2,1,1,1", show_default=True,
+              help="Nodes per block, comma-separated (block 0 first); the length is the number of blocks.")
+@click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds to wait for training.")
+@data_option
+@click.argument("node_flags", nargs=-1, type=click.UNPROCESSED)
+@fail_clearly
+def swarm(out, replicas, timeout, data_dir, node_flags) -> None:
+    """Run a swarm of trainer nodes on 127.0.0.1, one process each, until they finish; assemble it.
+
+    NODE_FLAGS go to every `spheroid node` (model, steps, --every, --codec, ...), e.g.
+    `spheroid swarm --out runs/demo -- --steps 600 --d-model 64`.
+    """
+    counts = [int(n) for n in replicas.split(",")]
+    if not counts or min(counts) < 1:
+        raise click.UsageError("--replicas needs a positive count per block, like 2,1,1,1")
+    folder = Path(out)
+    flags = [*node_flags, "--n-blocks", str(len(counts))]
+    with LocalSwarm(folder / "nodes", data_dir, flags) as local:
+        seed = None
+        for block, count in enumerate(counts):
+            for r in range(count):
+                member = local.add(f"b{block}-{chr(97 + r)}", block, seeds=[seed.listen] if seed else [])
+                seed = seed or member
+        click.echo(f"started {len(local.members)} nodes (logs in {folder / 'nodes'}); training...")
+        members = local.wait_trained(timeout, show=click.echo)
+        found = local.assemble(folder / "model")
+        for block, holder, version in found:
+            click.echo(f"block {block}: round {version.round}, {version.samples} samples, state {version.hash[:12]} "
+                       f"from {holder}")
+        codes = local.stop()
+    metrics = {"replicas": counts, "node_flags": list(node_flags),
+               "nodes": {m.name: {"training": m.status["training"], "traffic": m.status["traffic"],
+                                  "exit_code": codes[m.name]} for m in members},
+               "assembled": [{"block": b, "holder": h, **v.to_wire()} for b, h, v in found]}
+    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    unclean = {name: code for name, code in codes.items() if code != 0}
+    if unclean:
+        raise Failure(f"nodes did not stop cleanly: {unclean}; see their logs in {folder / 'nodes'}")
+    click.echo(f"all {len(codes)} nodes stopped cleanly\ncheckpoint: {folder / 'model'}\n"
+               f"metrics: {folder / 'metrics.json'}")
 
 
 @main.command()

@@ -141,7 +141,8 @@ class Connection:
             log.warning("protocol error from %s (%s): %s; closing", self.label, self.remote, exc.message)
             await self.refuse(exc)
         except PeerGone as exc:
-            log.info("%s", exc)
+            if not self.closed:  # not our own close() ending the read
+                log.info("%s", exc)
         finally:
             await self.close()
 
