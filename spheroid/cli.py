@@ -93,6 +93,7 @@ def run_config_options(func):
         click.option("--steps", "train__steps", type=int),
         click.option("--batch", "train__batch", type=int),
         click.option("--lr", "train__lr", type=float),
+        click.option("--warmup", "train__warmup", type=int, help="Steps of linear learning-rate warmup."),
         click.option("--seed", "train__seed", type=int),
         click.option("--d-model", "model__d_model", type=int),
         click.option("--n-heads", "model__n_heads", type=int),

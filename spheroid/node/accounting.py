@@ -31,16 +31,21 @@ class Traffic:
     def count(self, direction: str, peer: str, kind: str, wire: int, raw: int | None = None) -> None:
         self._counts[(direction, peer, kind)].add(Counter(1, wire, wire if raw is None else raw))
 
-    def _sum(self, peer: str | None, group: Callable[[Key], str]) -> dict:
+    def relabel(self, old: str, new: str) -> None:
+        """Move the counts of peer `old` to `new` (clients are all counted as one peer)."""
+        for key in [k for k in self._counts if k[1] == old]:
+            self._counts[(key[0], new, key[2])].add(self._counts.pop(key))
+
+    def _sum(self, peer: str | None, group: Callable[[Key], str], exclude: set[str] = frozenset()) -> dict:
         out: dict[str, dict[str, Counter]] = {"sent": defaultdict(Counter), "received": defaultdict(Counter)}
         for key, c in self._counts.items():
-            if peer is None or key[1] == peer:
+            if (peer is None or key[1] == peer) and key[1] not in exclude:
                 out[key[0]][group(key)].add(c)
         return {d: {k: asdict(v) for k, v in groups.items()} for d, groups in out.items()}
 
-    def totals(self, peer: str | None = None) -> dict:
-        """{"sent": counter, "received": counter}, over all peers or for one."""
-        summed = self._sum(peer, lambda key: "all")
+    def totals(self, peer: str | None = None, exclude: set[str] = frozenset()) -> dict:
+        """{"sent": counter, "received": counter}, over all peers (but `exclude`) or for one."""
+        summed = self._sum(peer, lambda key: "all", exclude)
         return {d: groups.get("all", asdict(Counter())) for d, groups in summed.items()}
 
     def by_type(self, peer: str | None = None) -> dict:

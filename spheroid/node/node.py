@@ -35,6 +35,8 @@ from .identity import Identity
 
 log = logging.getLogger(__name__)
 
+CLIENTS = "clients"  # the one accounting label of all client connections (status, assemble, ...)
+
 
 @dataclass
 class PeerInfo:
@@ -229,7 +231,10 @@ class Node:
             log.info("handshake with %s failed: %s", conn.remote, exc)
             await conn.close()
         else:
-            if hello["role"] != "client" and not self._register(conn, hello):
+            if hello["role"] == "client":
+                self.traffic.relabel(conn.label, CLIENTS)
+                conn.label = CLIENTS
+            elif not self._register(conn, hello):
                 await conn.close()
                 if admitted is not None:
                     admitted.set_result(False)
@@ -370,7 +375,9 @@ class Node:
         retry = 0.25  # while alone, retry the seeds soon (they may be starting too), backing off
         while True:
             connected = {c.hello.get("addr") for c in self.conns.values()}
-            await asyncio.gather(*(self.dial(a) for a in self.cfg.peers if a not in connected))
+            dialled = await asyncio.gather(*(self.dial(a) for a in self.cfg.peers if a not in connected))
+            if any(dialled):  # just (re)joined: learn the membership now rather than at the next gossip
+                await self.gossip_once()
             retry = self.cfg.seed_interval if self.conns else min(2 * retry, self.cfg.seed_interval)
             await asyncio.sleep(retry)
 
@@ -394,6 +401,7 @@ class Node:
             "authenticated": self.secret is not None, "tls": self._ssl_server is not None,
             "peers": sorted(peers, key=lambda p: p["node"]), "known": len(self.known),
             "traffic": self.traffic.totals(), "traffic_by_type": self.traffic.by_type(),
+            "swarm_traffic": self.traffic.totals(exclude={CLIENTS}),  # between members only
             **{name: part() for name, part in self.status_parts.items()},
         }
 

@@ -1,0 +1,189 @@
+"""Decentralised block training over an emulated wide-area network: CE against bytes moved.
+
+For each configuration it runs a swarm on 127.0.0.1 (default: four blocks, two replicas each,
+every node its own `spheroid node` process) with every node behind its own WAN link from
+bench/wan.py (default 20 ms one way, so 40 ms round trip, and 50 Mbit/s per direction): nodes
+listen on one port and announce the link's, so every node-to-node connection crosses a link.
+
+While the swarm trains, every `--snapshot-s` seconds the script assembles it (directly, not
+through the emulator) and records the bytes the nodes have sent to each other so far, from the
+nodes' own counters (client traffic such as these status requests and assemblies is counted
+apart and left out). When a run is over it scores every snapshot: the chain's CE from pure noise,
+one draw (M = 1), on fixed windows of wiki.valid.tokens. Configurations compared:
+
+  paper  plain averaging of float32 updates every H = 10 local steps (what the paper reports)
+  best   int8 updates (per-chunk scales) every H = 40 local steps, Nesterov outer step (DiLoCo)
+
+Writes JSON (--out), a PNG of CE against bytes moved, and prints a table.
+
+    python bench/swarm.py [--preset ci|default] [--only paper,best] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wan import LinkSpec, Network  # noqa: E402
+
+from spheroid.config import parse_addr  # noqa: E402
+from spheroid.data import fixed_windows, load_bytes  # noqa: E402
+from spheroid.launch import LocalSwarm, free_port, status_line  # noqa: E402
+from spheroid.train import evaluate_chain  # noqa: E402
+
+log = logging.getLogger("bench.swarm")
+
+CONFIGS: dict[str, list[str]] = {
+    "paper": ["--every", "10", "--codec", "fp32", "--outer", "average"],
+    "best": ["--every", "40", "--codec", "int8", "--outer", "nesterov"],
+}
+PRESETS: dict[str, dict] = {
+    # a smoke run for the test suite: seconds of training, numbers meaningless
+    "ci": {"flags": ["--d-model", "32", "--n-heads", "2", "--layers-per-block", "1", "--context", "32",
+                     "--batch", "8", "--steps", "80", "--warmup", "10"],
+           "replicas": 2, "blocks": 2, "snapshot_s": 3.0, "windows": 16},
+    # about 10 minutes on a 2-core CPU for both configurations
+    "default": {"flags": ["--d-model", "64", "--n-heads", "4", "--layers-per-block", "2", "--context", "64",
+                          "--batch", "16", "--steps", "800", "--warmup", "50"],
+                "replicas": 2, "blocks": 4, "snapshot_s": 15.0, "windows": 256},
+}
+
+
+def swarm_bytes(members) -> int:
+    """Bytes the nodes sent to each other (their own counters, client traffic left out)."""
+    return sum(m.status["swarm_traffic"]["sent"]["wire_bytes"] for m in members if m.status)
+
+
+def run_config(name: str, flags: list[str], p: dict, spec: LinkSpec, work: Path, data: str | None) -> dict:
+    """One swarm run behind the emulator: snapshots of (time, bytes, steps, assembled model)."""
+    folder = work / name
+    shutil.rmtree(folder, ignore_errors=True)
+    snapshots = []
+    started = time.monotonic()
+    with Network() as net, LocalSwarm(folder / "nodes", data, [*p["flags"], *flags, "--n-blocks", str(p["blocks"]),
+                                                                "--threads", "1"]) as local:
+        seed = None
+        for block in range(p["blocks"]):
+            for r in range(p["replicas"]):
+                listen = f"127.0.0.1:{free_port()}"
+                link_port = free_port()
+                net.add(("127.0.0.1", link_port), parse_addr(listen), spec)
+                member = local.add(f"b{block}-{chr(97 + r)}", block, listen=listen,
+                                   announce=f"127.0.0.1:{link_port}", seeds=[seed.addr] if seed else [])
+                seed = seed or member
+        done = False
+        while not done:
+            time.sleep(p["snapshot_s"])
+            members = local.poll()
+            done = all(m.status.get("training", {}).get("done") for m in members)
+            out = folder / "snapshots" / f"{len(snapshots):03d}"
+            try:
+                local.assemble(out)
+            except Exception as exc:  # noqa: BLE001 - a block not reachable yet: no snapshot this time
+                log.info("%s: no snapshot at %.0fs: %s", name, time.monotonic() - started, exc)
+                continue
+            steps = [m.status["training"]["step"] for m in members if m.status.get("training")]
+            snapshots.append({"wall_s": time.monotonic() - started, "bytes": swarm_bytes(members),
+                              "mean_step": sum(steps) / max(len(steps), 1), "folder": str(out)})
+            for m in members:
+                log.info("%s %s", name, status_line(m))
+        final = {m.name: {"training": m.status["training"], "swarm_traffic": m.status["swarm_traffic"]}
+                 for m in members}
+        codes = local.stop()
+    return {"config": name, "flags": flags, "snapshots": snapshots, "nodes": final, "exit_codes": codes,
+            "link_bytes": sum(sum(link.bytes.values()) for link in net.links)}
+
+
+def score(run: dict, windows: torch.Tensor) -> None:
+    for snap in run["snapshots"]:
+        chain, _ = evaluate_chain(snap["folder"], windows, draws=1, seed=0, device=torch.device("cpu"))
+        snap["ce"] = chain.ce_one_draw
+
+
+def compare(runs: dict[str, dict]) -> dict:
+    """Bytes the best configuration needed to reach the paper-like configuration's final CE."""
+    if not {"paper", "best"} <= set(runs):
+        return {}
+    target = runs["paper"]["snapshots"][-1]["ce"]
+    paper_bytes = runs["paper"]["snapshots"][-1]["bytes"]
+    reached = next((s for s in runs["best"]["snapshots"] if s["ce"] <= target), None)
+    return {"paper_final_ce": target, "paper_bytes": paper_bytes, "best_final_ce": runs["best"]["snapshots"][-1]["ce"],
+            "best_bytes_to_reach": reached["bytes"] if reached else None,
+            "bytes_ratio": paper_bytes / reached["bytes"] if reached else None}
+
+
+def plot(runs: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, run in runs.items():
+        xs = [max(s["bytes"], 1) / 2**20 for s in run["snapshots"]]
+        ax.plot(xs, [s["ce"] for s in run["snapshots"]], marker="o", label=f"{name}: {' '.join(run['flags'])}")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes moved between nodes (MiB, log)")
+    ax.set_ylabel("validation CE of the assembled model (nats/byte, M = 1)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
+    parser.add_argument("--only", default=",".join(CONFIGS), help="configurations to run, comma-separated")
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay of every link")
+    parser.add_argument("--mbit", type=float, default=50.0, help="bandwidth of every link, per direction")
+    parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"), help="WikiText folder")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON results (default bench/results/swarm-<preset>.json)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="node folders and snapshots (default runs/swarm-<preset>)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    p = PRESETS[args.preset]
+    out = args.out or Path("bench/results") / f"swarm-{args.preset}.json"
+    work = args.work or Path("runs") / f"swarm-{args.preset}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spec = LinkSpec(args.delay_ms, args.mbit)
+    context = int(p["flags"][p["flags"].index("--context") + 1])
+    windows = fixed_windows(load_bytes(args.data, "valid"), p["windows"], context + 1)
+    runs = {}
+    for name in args.only.split(","):
+        log.info("running %s: %s", name, " ".join(CONFIGS[name]))
+        runs[name] = run_config(name, CONFIGS[name], p, spec, work, args.data)
+        score(runs[name], windows)
+    result = {"preset": args.preset, "link": {"delay_ms_one_way": spec.delay_ms, "mbit": spec.mbit},
+              "swarm": {"blocks": p["blocks"], "replicas": p["replicas"], "node_flags": p["flags"]},
+              "runs": runs, "comparison": compare(runs)}
+    out.write_text(json.dumps(result, indent=2))
+    plot(runs, out.with_suffix(".png"))
+    print(f"\n{'config':<7} {'flags':<44} {'final CE':>9} {'MiB moved':>10} {'wall s':>7}")
+    for name, run in runs.items():
+        last = run["snapshots"][-1]
+        print(f"{name:<7} {' '.join(run['flags']):<44} {last['ce']:>9.4f} {last['bytes'] / 2**20:>10.2f} "
+              f"{last['wall_s']:>7.0f}")
+    c = result["comparison"]
+    if c.get("bytes_ratio"):
+        print(f"best reached the paper-like final CE {c['paper_final_ce']:.4f} after "
+              f"{c['best_bytes_to_reach'] / 2**20:.2f} MiB: {c['bytes_ratio']:.1f}x fewer bytes")
+    elif c:
+        print(f"best did not reach the paper-like final CE {c['paper_final_ce']:.4f} "
+              f"(its final: {c['best_final_ce']:.4f})")
+    print(f"results: {out} and {out.with_suffix('.png')}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
