@@ -110,15 +110,18 @@ def score(run: dict, windows: torch.Tensor) -> None:
 
 
 def compare(runs: dict[str, dict]) -> dict:
-    """Bytes the best configuration needed to reach the paper-like configuration's final CE."""
-    if not {"paper", "best"} <= set(runs):
+    """For each configuration: the bytes it needed to reach the paper-like configuration's final CE."""
+    if "paper" not in runs:
         return {}
     target = runs["paper"]["snapshots"][-1]["ce"]
     paper_bytes = runs["paper"]["snapshots"][-1]["bytes"]
-    reached = next((s for s in runs["best"]["snapshots"] if s["ce"] <= target), None)
-    return {"paper_final_ce": target, "paper_bytes": paper_bytes, "best_final_ce": runs["best"]["snapshots"][-1]["ce"],
-            "best_bytes_to_reach": reached["bytes"] if reached else None,
-            "bytes_ratio": paper_bytes / reached["bytes"] if reached else None}
+    out = {"paper_final_ce": target, "paper_bytes": paper_bytes, "configs": {}}
+    for name, run in runs.items():
+        reached = next((s for s in run["snapshots"] if s["ce"] <= target), None)
+        out["configs"][name] = {"final_ce": run["snapshots"][-1]["ce"], "bytes": run["snapshots"][-1]["bytes"],
+                                "bytes_to_reach": reached["bytes"] if reached else None,
+                                "bytes_ratio": paper_bytes / reached["bytes"] if reached else None}
+    return out
 
 
 def plot(runs: dict[str, dict], path: Path) -> None:
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
     parser.add_argument("--only", default=",".join(CONFIGS), help="configurations to run, comma-separated")
+    parser.add_argument("--add", action="append", default=[], metavar="NAME=FLAGS",
+                        help='another configuration to run, e.g. --add "h40=--every 40 --codec int8" (repeatable)')
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay of every link")
     parser.add_argument("--mbit", type=float, default=50.0, help="bandwidth of every link, per direction")
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"), help="WikiText folder")
@@ -159,10 +164,16 @@ def main(argv: list[str] | None = None) -> dict:
     spec = LinkSpec(args.delay_ms, args.mbit)
     context = int(p["flags"][p["flags"].index("--context") + 1])
     windows = fixed_windows(load_bytes(args.data, "valid"), p["windows"], context + 1)
+    configs = {name: CONFIGS[name] for name in args.only.split(",") if name}
+    for item in args.add:
+        name, sep, flags = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--add wants NAME=FLAGS, got {item!r}")
+        configs[name] = flags.split()
     runs = {}
-    for name in args.only.split(","):
-        log.info("running %s: %s", name, " ".join(CONFIGS[name]))
-        runs[name] = run_config(name, CONFIGS[name], p, spec, work, args.data)
+    for name, flags in configs.items():
+        log.info("running %s: %s", name, " ".join(flags))
+        runs[name] = run_config(name, flags, p, spec, work, args.data)
         score(runs[name], windows)
     result = {"preset": args.preset, "link": {"delay_ms_one_way": spec.delay_ms, "mbit": spec.mbit},
               "swarm": {"blocks": p["blocks"], "replicas": p["replicas"], "node_flags": p["flags"]},
@@ -175,12 +186,15 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name:<7} {' '.join(run['flags']):<44} {last['ce']:>9.4f} {last['bytes'] / 2**20:>10.2f} "
               f"{last['wall_s']:>7.0f}")
     c = result["comparison"]
-    if c.get("bytes_ratio"):
-        print(f"best reached the paper-like final CE {c['paper_final_ce']:.4f} after "
-              f"{c['best_bytes_to_reach'] / 2**20:.2f} MiB: {c['bytes_ratio']:.1f}x fewer bytes")
-    elif c:
-        print(f"best did not reach the paper-like final CE {c['paper_final_ce']:.4f} "
-              f"(its final: {c['best_final_ce']:.4f})")
+    for name, row in c.get("configs", {}).items():
+        if name == "paper":
+            continue
+        if row["bytes_ratio"]:
+            print(f"{name} reached the paper-like final CE {c['paper_final_ce']:.4f} after "
+                  f"{row['bytes_to_reach'] / 2**20:.2f} MiB: {row['bytes_ratio']:.1f}x fewer bytes")
+        else:
+            print(f"{name} did not reach the paper-like final CE {c['paper_final_ce']:.4f} "
+                  f"(its final: {row['final_ce']:.4f})")
     print(f"results: {out} and {out.with_suffix('.png')}")
     return result
 

@@ -277,7 +277,8 @@ class Replica:
     # --- versions -----------------------------------------------------------------------------------
 
     def note_version(self, peer: str, version: Version, synced: bool) -> None:
-        """A peer announced its version; `synced` when it got there by closing a round (or genesis).
+        """A peer announced its version; `synced` when it got there by closing a round (or genesis)
+        and is still training.
 
         Peers in step (synced, on this replica's version) are waited for; a peer that fetched the
         state (a joiner, a restarted node) is not, until it has contributed to a round.
@@ -285,6 +286,8 @@ class Replica:
         self.announced[peer] = (version, synced)
         if synced and version == self.state.version:
             self.expected.add(peer)
+        elif not synced:  # it fetched its state, or stopped training: do not wait for it
+            self.expected.discard(peer)
 
     def _in_step(self) -> set[str]:
         return {p for p, (v, synced) in self.announced.items() if synced and v == self.state.version}

@@ -167,7 +167,7 @@ class Sim:
         self.local = {r.me: r.state.params.clone() for r in self.group}
         self.gen = torch.Generator().manual_seed(1)
         self.dead: set[str] = set()
-        self.closes: list[tuple[str, int, float, float]] = []  # (replica, round, ready_at, closed_at)
+        self.closes: list[tuple] = []  # (replica, round, ready_at, closed_at, updates averaged)
         self.training: dict[str, int] = {}  # replica -> token of its current training run
         self.stop_at = float("inf")  # no training starts after this; the swarm then settles
         for r in self.group:
@@ -209,7 +209,7 @@ class Sim:
             return
         ready = r.ready_at
         closed = r.close()
-        self.closes.append((r.me, closed.state.version.round - 1, ready, self.now))
+        self.closes.append((r.me, closed.state.version.round - 1, ready, self.now, len(closed.contributors)))
         self.local[r.me] = closed.state.params.clone()
         for peer in self.group:
             if peer is not r:
@@ -254,7 +254,7 @@ def test_fake_clock_rounds_agree_when_all_are_in_time():
     assert min(r.round for r in sim.group) >= 10
     assert len(sim.hashes()) == 1
     assert all(r.counters.adopted == 0 and r.counters.late == 0 for r in sim.group)
-    for _, _, ready, closed in sim.closes:
+    for _, _, ready, closed, _ in sim.closes:
         assert closed - ready <= 1.0 + 1e-9
 
 
@@ -262,10 +262,10 @@ def test_fake_clock_slow_peer_misses_the_deadline_and_others_keep_time():
     sim = Sim([1.0, 1.0, 5.0], wait=0.5)
     sim.run(until=40.0)
     fast = {r.me for r in sim.group[:2]}
-    fast_closes = [(ready, closed) for me, _, ready, closed in sim.closes if me in fast]
+    fast_closes = [(ready, closed, n) for me, _, ready, closed, n in sim.closes if me in fast]
     assert len(fast_closes) >= 2 * 15  # they went on without waiting for the slow one
-    assert all(closed - ready <= 0.5 + 1e-9 for ready, closed in fast_closes)
-    assert all(r.counters.late + r.counters.adopted > 0 for r in sim.group[:2])
+    assert all(closed - ready <= 0.5 + 1e-9 for ready, closed, _ in fast_closes)
+    assert sum(n < 3 for _, _, n in fast_closes) > len(fast_closes) / 2  # mostly without it
     sim.stop_at = 40.0
     sim.run(until=60.0)
     assert len(sim.hashes()) == 1  # settled on one state, the slow peer's work included or not
@@ -309,7 +309,7 @@ def test_fake_clock_joiner_syncs_and_nobody_waits_for_it():
     sim.run(until=12.0)
     assert joiner.counters.adopted >= 1
     # rounds the others closed after it joined: never held to the deadline by the joiner
-    for me, _, ready, closed in sim.closes:
+    for me, _, ready, closed, _ in sim.closes:
         if me != joiner.me and ready > 6.2:
             assert closed - ready < 1.0
     sim.stop_at = 12.0

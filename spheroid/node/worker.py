@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -73,7 +74,8 @@ class BlockWorker:
         self.n_params = sum(p.numel() for p in self.module.parameters())
         state = self._resume() if self.path.exists() else self._genesis()
         self.fresh = state.version.round == 0 and self.step == 0
-        self.synced = self.fresh  # reached its state by a round (or genesis), not by a fetch or a restart
+        # reached its state by a round (or genesis) and still training: not a fetch, a restart or done
+        self.synced = self.fresh
         self.replica = Replica(node.id, state, averaging)
         self.pending: SharedState | None = None  # a fetched state to adopt between training chunks
         self.peer_versions: dict[str, Version] = {}
@@ -174,6 +176,8 @@ class BlockWorker:
                 self.node.spawn(self._send_update(conn, own))
             await self._finish_round()
         self.done = True
+        self.synced = False  # no more rounds from this node: peers must not wait for it
+        await self._announce()
         log.info("block %d: trained %d steps in %d rounds; still serving its state", self.block, self.step,
                  self.replica.counters.rounds)
         while True:  # keep agreeing with the swarm: adopt preferred states peers announce
@@ -192,8 +196,8 @@ class BlockWorker:
                 group["lr"] = learning_rate(self.step, self.cfg)
             windows = random_windows(self.data, t.batch, self.cfg.model.context + 1, self.gen)
             loss, _ = train_step(self.module, self.loss_fn, self.opt, windows, self.gen, t.grad_clip)
-            if loss != loss:
-                raise FloatingPointError(f"block {self.block}: loss became NaN at step {self.step}; lower --lr")
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"block {self.block}: loss became {loss} at step {self.step}; lower --lr")
             self.loss = loss
             self.step += 1
 

@@ -1,0 +1,58 @@
+"""bench/swarm.py and `spheroid swarm` (what `make demo` runs) end to end, at smoke-test size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from spheroid.node.worker import pick_donor
+
+from .conftest import run_bench
+
+
+def test_swarm_bench_ci_preset_writes_curves_for_both_configurations(tmp_path, data_dir):
+    out = tmp_path / "swarm.json"
+    proc = run_bench("swarm.py", "--preset", "ci", "--out", str(out), "--work", str(tmp_path / "work"),
+                     "--data", str(data_dir))
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"paper", "best"}
+    assert result["link"] == {"delay_ms_one_way": 20.0, "mbit": 50.0}
+    for run in result["runs"].values():
+        assert run["snapshots"] and all(0 < s["ce"] < 8 and s["bytes"] > 0 for s in run["snapshots"])
+        assert all(code == 0 for code in run["exit_codes"].values())
+        assert run["link_bytes"] > 0  # node-to-node traffic really crossed the emulated links
+    paper, best = (result["runs"][k]["snapshots"][-1]["bytes"] for k in ("paper", "best"))
+    assert best < paper  # int8 every 40 steps moves less than fp32 every 10
+    assert (tmp_path / "swarm.png").stat().st_size > 0
+    assert "final CE" in proc.stdout
+
+
+def test_spheroid_swarm_trains_assembles_and_stops_cleanly(tmp_path, data_dir):
+    out = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "spheroid", "swarm", "--out", str(out), "--replicas", "2,1", "--data", str(data_dir),
+         "--", "--steps", "30", "--every", "10", "--d-model", "32", "--n-heads", "2", "--layers-per-block", "1",
+         "--context", "32", "--batch", "8"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "all 3 nodes stopped cleanly" in proc.stdout and f"checkpoint: {out / 'model'}" in proc.stdout
+    assert "b0-b | block 0 step" in proc.stdout  # a status line per node
+    metrics = json.loads((out / "metrics.json").read_text())
+    hashes = {n["training"]["version"]["hash"] for name, n in metrics["nodes"].items() if name.startswith("b0")}
+    assert len(hashes) == 1 and [a["block"] for a in metrics["assembled"]] == [0, 1]
+    assert (out / "model" / "block-1.safetensors").exists()
+
+
+def test_joiners_spread_over_donors():
+    holders = [f"{i:032x}" for i in range(3)]
+    picks = [pick_donor(f"{j:032x}", holders) for j in range(100, 400)]
+    assert all(picks.count(h) > 60 for h in holders)  # about 100 each
+    assert pick_donor("a" * 32, holders) == pick_donor("a" * 32, list(reversed(holders)))  # order-free
+
+
+def test_a_swarm_node_refuses_chain_state_training(tmp_path, data_dir):
+    proc = subprocess.run([sys.executable, "-m", "spheroid", "node", "--block", "1", "--block-input", "chain",
+                           "--data", str(data_dir), "--identity", str(tmp_path / "id.json"), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "noised inputs" in proc.stderr and "Traceback" not in proc.stderr
