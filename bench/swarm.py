@@ -37,7 +37,7 @@ from wan import LinkSpec, Network  # noqa: E402
 
 from spheroid.config import parse_addr  # noqa: E402
 from spheroid.data import fixed_windows, load_bytes  # noqa: E402
-from spheroid.launch import LocalSwarm, free_port, status_line  # noqa: E402
+from spheroid.launch import LocalSwarm, free_ports, status_line  # noqa: E402
 from spheroid.train import evaluate_chain  # noqa: E402
 
 log = logging.getLogger("bench.swarm")
@@ -72,10 +72,11 @@ def run_config(name: str, flags: list[str], p: dict, spec: LinkSpec, work: Path,
     with Network() as net, LocalSwarm(folder / "nodes", data, [*p["flags"], *flags, "--n-blocks", str(p["blocks"]),
                                                                 "--threads", "1"]) as local:
         seed = None
+        ports = iter(free_ports(2 * p["blocks"] * p["replicas"]))  # chosen at once: no two alike
         for block in range(p["blocks"]):
             for r in range(p["replicas"]):
-                listen = f"127.0.0.1:{free_port()}"
-                link_port = free_port()
+                listen = f"127.0.0.1:{next(ports)}"
+                link_port = next(ports)
                 net.add(("127.0.0.1", link_port), parse_addr(listen), spec)
                 member = local.add(f"b{block}-{chr(97 + r)}", block, listen=listen,
                                    announce=f"127.0.0.1:{link_port}", seeds=[seed.addr] if seed else [])

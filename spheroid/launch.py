@@ -25,11 +25,20 @@ from .node.client import assemble_swarm, fetch_status
 log = logging.getLogger(__name__)
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports on 127.0.0.1 that were free a moment ago (all held open while chosen)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @dataclass

@@ -13,14 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from spheroid.config import NodeConfig
+from spheroid.launch import free_port
 from spheroid.node.client import fetch_status
 from spheroid.wire import VERSION, Decoder, encode
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class NodeProcess:
