@@ -44,20 +44,41 @@ def chain_state(
     block each block runs once. With churn > 0 (a stochastic sampler, as EDM's) each step first
     re-injects fresh noise up to sigma_hat = sigma * (1 + churn). Returns z (B, n_noisy, d).
     """
-    grid = sigma_grid(noise, len(blocks)).tolist()
+    grid = sigma_grid(noise, len(blocks))
     steps = len(grid) - 1 if steps is None else steps
-    b, d = x.shape[0], codebook.shape[1]
-    z = grid[0] * gaussian((b, n_noisy, d), generator, codebook.device)
-    for i in range(steps):
-        sigma = grid[i]
+    z = grid[0].item() * gaussian((x.shape[0], n_noisy, codebook.shape[1]), generator, codebook.device)
+    return euler_steps(dict(enumerate(blocks)), noise, grid, codebook, x, z, range(steps), generator, start, chunk)
+
+
+@torch.no_grad()
+def euler_steps(
+    blocks: dict[int, DiffusionBlock],
+    noise: NoiseConfig,
+    grid: torch.Tensor,
+    codebook: torch.Tensor,
+    x: torch.Tensor,
+    z: torch.Tensor,
+    steps: range,
+    generator: torch.Generator | None = None,
+    start: int = 0,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Grid steps `steps` of the chain on z, each by the block that owns it (blocks: index -> block).
+
+    A serving node holding some of the blocks runs its share of the steps with this, so a pipeline
+    of nodes computes exactly what `chain_state` computes on one machine.
+    """
+    b, levels = z.shape[0], grid.tolist()
+    for i in steps:
+        sigma = levels[i]
         if noise.churn > 0 and i > 0:
             sigma_hat = min(sigma * (1 + noise.churn), noise.sigma_max)
-            z = z + (sigma_hat**2 - sigma**2) ** 0.5 * gaussian((b, n_noisy, d), generator, codebook.device)
+            z = z + (sigma_hat**2 - sigma**2) ** 0.5 * gaussian(tuple(z.shape), generator, codebook.device)
             sigma = sigma_hat
         block = blocks[i // noise.steps_per_block]
         logits = block(x, z, torch.full((b,), sigma, device=x.device), start, chunk)
         d_hat = fn.softmax(logits.float(), dim=-1) @ codebook  # expected clean embedding
-        z = z + (grid[i + 1] - sigma) * (z - d_hat) / sigma
+        z = z + (levels[i + 1] - sigma) * (z - d_hat) / sigma
     return z
 
 
@@ -194,6 +215,21 @@ def score_bound(
     return BoundScore(prior / count, diffusion / count, recon / count)
 
 
+def traversal_generators(seed: int, traversal: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+    """(noise, sampling) generators of one traversal of a generation, from the request's seed.
+
+    Derived per traversal, so a pipeline (noise drawn by its first node, bytes sampled by its last)
+    and one machine produce the same bytes for the same seed.
+    """
+    base = (seed * 1_000_003 + traversal) * 2
+    return torch.Generator(device).manual_seed(base), torch.Generator(device).manual_seed(base + 1)
+
+
+def next_window(out: bytes | bytearray, k: int, context: int) -> bytes:
+    """The clean bytes a traversal reads to denoise the next k: as many as fit with k noisy ones."""
+    return bytes(out[-(context - k + 1) :])
+
+
 @torch.no_grad()
 def generate(
     blocks: Sequence[DiffusionBlock],
@@ -203,7 +239,7 @@ def generate(
     n_bytes: int,
     chunk: int,
     temperature: float,
-    generator: torch.Generator,
+    seed: int,
 ) -> bytes:
     """Generate n_bytes after prompt, `chunk` bytes per traversal of the chain.
 
@@ -218,17 +254,19 @@ def generate(
                          + (", and 1 for a merged-layout model" if merged else ""))
     device = codebook.device
     out = bytearray(prompt or b"\n")  # the chain needs at least one clean byte to condition on
-    produced = 0
+    produced, traversal = 0, 0
     while produced < n_bytes:
         k = min(chunk, n_bytes - produced)
-        ctx = out[-context:] if merged else out[-(context - k + 1) :]  # the noisy positions fit the window
+        ctx = out[-context:] if merged else next_window(out, k, context)
         x = torch.tensor(list(ctx), dtype=torch.long, device=device)[None, :]
+        noise_gen, sample_gen = traversal_generators(seed, traversal, device)
         if merged:
-            logits = denoise(blocks, noise, codebook, x, x.shape[1], generator)[0, -1:]
+            logits = denoise(blocks, noise, codebook, x, x.shape[1], noise_gen)[0, -1:]
         else:
-            logits = denoise(blocks, noise, codebook, x, k, generator, start=x.shape[1] - 1, chunk=k)[0]
-        out.extend(sample(logits, temperature, generator).tolist())
+            logits = denoise(blocks, noise, codebook, x, k, noise_gen, start=x.shape[1] - 1, chunk=k)[0]
+        out.extend(sample(logits, temperature, sample_gen).tolist())
         produced += k
+        traversal += 1
     return bytes(out[len(prompt or b"\n") :])
 
 

@@ -19,12 +19,14 @@ from .chain import generate as run_chain
 from .config import NodeConfig, RunConfig, override
 from .data import DataError, fixed_windows, load_bytes
 from .launch import LocalSwarm
-from .node.client import assemble_swarm, fetch_status
+from .node.client import assemble_swarm, fetch_status, remote_generate, remote_score
 from .node.connection import PeerGone
 from .node.identity import IdentityError
 from .node.identity import load_or_create as load_identity
 from .node.node import Node
+from .node.serving import BlockServer
 from .node.worker import BlockWorker
+from .pipeline import parse_blocks
 from .train import (
     evaluate_bound,
     evaluate_chain,
@@ -206,21 +208,102 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
 
 
 @main.command()
-@click.argument("ckpt", type=click.Path(exists=True, file_okay=False))
-@click.option("--prompt", default="", help="Text to continue.")
+@click.argument("target", required=False)
+@click.option("--peer", default=None, help="Generate through the pipeline this serving node coordinates; "
+                                          "TARGET is then the prompt.")
+@click.option("--prompt", default="", help="Text to continue (locally; with --peer give it as TARGET).")
 @click.option("--bytes", "n_bytes", type=int, default=200, show_default=True)
-@click.option("--k", "chunk", type=int, default=1, show_default=True, help="Bytes denoised per chain traversal.")
+@click.option("--mode", type=click.Choice(["sweep", "ar"]), default="sweep", show_default=True,
+              help="With --peer: sweep (K bytes per traversal) or ar (one byte per traversal, streamed).")
+@click.option("--k", "chunk", type=int, default=None, help="Bytes denoised per traversal (default 1; "
+                                                          "with --mode sweep, all --bytes at once).")
+@click.option("--route", default="auto", show_default=True,
+              help="With --peer: auto (from membership, lowest RTT) or node ids (or prefixes) A,B,C in order.")
 @click.option("--temperature", type=float, default=0.8, show_default=True, help="0 = most likely byte.")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--timeout", type=float, default=300.0, show_default=True, help="With --peer: seconds in all.")
 @device_option
 @fail_clearly
-def generate(ckpt, prompt, n_bytes, chunk, temperature, seed, device) -> None:
-    """Generate bytes after PROMPT with the chain in CKPT, locally."""
-    dev = pick_device(device)
-    cfg, blocks, codebook = load_chain(ckpt, dev)
-    gen = torch.Generator(dev).manual_seed(seed)
-    text = run_chain(blocks, cfg.noise, codebook, prompt.encode(), n_bytes, chunk, temperature, gen)
-    click.echo(prompt + text.decode("utf-8", errors="replace"))
+def generate(target, peer, prompt, n_bytes, mode, chunk, route, temperature, seed, timeout, device) -> None:
+    """Generate bytes: `generate CKPT --prompt TEXT` locally, or `generate --peer HOST:PORT TEXT` in a swarm."""
+    if peer is None:
+        if target is None or not Path(target).is_dir():
+            raise click.UsageError("give a checkpoint folder (or --peer HOST:PORT to use a swarm)")
+        dev = pick_device(device)
+        cfg, blocks, codebook = load_chain(target, dev)
+        text = run_chain(blocks, cfg.noise, codebook, prompt.encode(), n_bytes, chunk or 1, temperature, seed)
+        click.echo(prompt + text.decode("utf-8", errors="replace"))
+        return
+    prompt = target if target is not None else prompt
+    k = chunk or (n_bytes if mode == "sweep" else 1)
+    cfg = NodeConfig(role="client", timeout=min(timeout, 30.0))
+    click.echo(prompt, nl=False)
+
+    async def ask() -> dict:
+        hops = await resolve_route(peer, cfg, route)
+        request = {"prompt": prompt.encode(), "n_bytes": n_bytes, "mode": mode, "k": k,
+                   "temperature": temperature, "seed": seed, "route": hops}
+        return await remote_generate(peer, cfg, request, on_bytes=lambda data: click.echo(
+            data.decode("utf-8", errors="replace"), nl=False), timeout=timeout)
+
+    result = run_remote(ask, peer)
+    click.echo()
+    log.info("%d bytes in %d traversals via %s", result["bytes"], result["traversals"],
+             " -> ".join(h[0][:8] for h in result["route"]))
+
+
+@main.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--peer", required=True, help="A serving node: it coordinates the request.")
+@click.option("--k", "chunk", type=int, default=1, show_default=True, help="Chunk size of the attention mask.")
+@click.option("--route", default="auto", show_default=True, help="auto, or node ids (or prefixes) A,B,C.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--timeout", type=float, default=600.0, show_default=True)
+@fail_clearly
+def score(file, peer, chunk, route, seed, timeout) -> None:
+    """CE of FILE through the swarm's pipeline: one traversal per window, one draw (M = 1)."""
+    text = Path(file).read_bytes()
+    cfg = NodeConfig(role="client", timeout=min(timeout, 30.0))
+
+    async def ask() -> dict:
+        request = {"text": text, "chunk": chunk, "seed": seed, "route": await resolve_route(peer, cfg, route)}
+        return await remote_score(peer, cfg, request, timeout=timeout)
+
+    result = run_remote(ask, peer)
+    ce = result["nll"] / result["count"]
+    click.echo(f"{file}: {result['count']} bytes in {result['windows']} windows, CE {ce:.4f} nats/byte "
+               f"({ce / math.log(2):.4f} bits/byte, M = 1)")
+
+
+def run_remote(ask, peer: str) -> dict:
+    """Run a client coroutine against a node; network and protocol failures become one clear error."""
+    result: dict = {}
+
+    async def main_() -> None:
+        result.update(await ask())
+
+    try:
+        run_async(main_())
+    except (OSError, TimeoutError, PeerGone, ProtocolError) as exc:
+        raise Failure(f"request to {peer} failed: {exc}") from exc
+    return result
+
+
+async def resolve_route(peer: str, cfg: NodeConfig, route: str) -> list:
+    """[] for auto; else the named nodes (ids or unique prefixes) as route entries, from peer's status."""
+    if route == "auto":
+        return []
+    status = await fetch_status(peer, cfg)
+    members = [(status["node"], status["addr"], status.get("serves", []))]
+    members += [(p["node"], p["addr"], p.get("serves", [])) for p in status["peers"]]
+    hops = []
+    for name in route.split(","):
+        matches = [m for m in members if m[0].startswith(name.strip())]
+        if len(matches) != 1 or not matches[0][2]:
+            raise Failure(f"--route: {name!r} names {len(matches)} serving nodes known to {peer}; give more of its id")
+        node, addr, serves = matches[0]
+        hops.append([node, addr, min(serves), max(serves)])
+    return hops
 
 
 @main.command()
@@ -288,29 +371,42 @@ def tls_options(func):
               help="Outer step: plain averaging (the paper) or Nesterov momentum on the averaged update (DiLoCo).")
 @click.option("--outer-lr", type=float, default=AveragingConfig.outer_lr, show_default=True)
 @click.option("--outer-momentum", type=float, default=AveragingConfig.outer_momentum, show_default=True)
-@click.option("--threads", type=int, default=1, show_default=True, help="torch threads for training.")
+@click.option("--serve", default=None, help="Serve these consecutive blocks for inference, e.g. 0-1 (needs "
+                                             "--checkpoint).")
+@click.option("--checkpoint", "serve_from", type=click.Path(exists=True, file_okay=False),
+              help="Checkpoint folder the --serve blocks are loaded from.")
+@click.option("--hop-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds a coordinated traversal may take before it is re-routed.")
+@click.option("--threads", type=int, default=1, show_default=True, help="torch threads for training and serving.")
 @click.option("--status-interval", type=float, default=5.0, show_default=True, help="Seconds between status lines.")
 @data_option
 @tls_options
 @fail_clearly
 def node(listen, peers, announce, swarm, secret_file, identity, role, block, out, config_file, every, codec, lz4,
-         wait, outer, outer_lr, outer_momentum, threads, status_interval, data_dir, tls_cert, tls_key, tls_ca,
-         **overrides) -> None:
-    """Run a node: serve the protocol, join the swarm through --peer, train --block B if given, until Ctrl-C."""
+         wait, outer, outer_lr, outer_momentum, serve, serve_from, hop_timeout, threads, status_interval, data_dir,
+         tls_cert, tls_key, tls_ca, **overrides) -> None:
+    """Run a node: serve the protocol, join the swarm through --peer, train --block B and serve --serve
+    blocks if given, until Ctrl-C."""
+    served = parse_blocks(serve) if serve else None
+    if served and not serve_from:
+        raise click.UsageError("--serve needs --checkpoint DIR holding those blocks")
     cfg = NodeConfig(listen=listen, peers=tuple(peers), announce=announce, swarm=swarm, identity=identity, role=role,
                      blocks=() if block is None else (block,), status_interval=status_interval, tls_cert=tls_cert,
-                     tls_key=tls_key, tls_ca=tls_ca)
+                     tls_key=tls_key, tls_ca=tls_ca,
+                     serves=tuple(range(served[0], served[1] + 1)) if served else ())
     secret = read_secret(secret_file)
     ident = load_identity(cfg.identity)
     try:
         member = Node(cfg, ident, secret)
+        torch.set_num_threads(threads)
+        if served:
+            BlockServer(member, serve_from, *served, hop_timeout=hop_timeout)
         work = None
         if block is not None:
             overrides["train__block_input"] = overrides.get("train__block_input") or "noised"
             run = load_config(config_file, **overrides)
             averaging = AveragingConfig(every=every, codec=codec, lz4=lz4, wait=wait, outer=outer, outer_lr=outer_lr,
                                         outer_momentum=outer_momentum)
-            torch.set_num_threads(threads)
             worker = BlockWorker(member, run, averaging, block, load_bytes(data_dir, "train"),
                                  Path(out or f"node-block-{block}"))
             work = worker.run

@@ -152,7 +152,8 @@ class NodeConfig:
     swarm: str = "spheroid"
     identity: str = "node-identity.json"  # persistent node id; a lock keeps a second process off it
     role: str = "worker"
-    blocks: tuple[int, ...] = ()
+    blocks: tuple[int, ...] = ()  # blocks it trains
+    serves: tuple[int, ...] = ()  # consecutive blocks it serves for inference
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None

@@ -23,10 +23,11 @@ from .node import handshake, ssl_contexts
 log = logging.getLogger(__name__)
 
 
-async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None) -> Connection:
+async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None, handler=None) -> Connection:
     """An authenticated connection to the node at addr, reading replies in the background.
 
     cfg supplies the swarm, the timeout and the TLS files; the client takes a fresh id each time.
+    Messages that answer no pending request go to `handler` (ignored without one).
     """
     host, port = parse_addr(addr)
     _, client_ssl = ssl_contexts(cfg)
@@ -42,7 +43,7 @@ async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None) -> Co
     async def ignore(_conn: Connection, _msg: dict) -> None:
         return None
 
-    conn.reader_task = asyncio.get_running_loop().create_task(conn.serve(ignore, idle_timeout=3600))
+    conn.reader_task = asyncio.get_running_loop().create_task(conn.serve(handler or ignore, idle_timeout=3600))
     return conn
 
 
@@ -136,3 +137,61 @@ async def crawl(addr: str, cfg: NodeConfig, secret: bytes | None = None, limit: 
                 seen.add(entry["addr"])
                 queue.append(entry["addr"])
     return members
+
+
+async def remote_generate(addr: str, cfg: NodeConfig, request: dict, on_bytes=None, secret: bytes | None = None,
+                          timeout: float = 300.0) -> dict:
+    """Ask the serving node at addr to generate through the pipeline; `on_bytes` gets bytes as they come.
+
+    Returns the final gen_done message with "data" (all the bytes) added; PeerGone on an error reply.
+    """
+    request = {"id": 1, **request}
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    chunks: list[bytes] = []
+
+    async def handle(_conn: Connection, msg: dict) -> None:
+        if msg.get("re") != request["id"] or done.done():
+            return
+        if msg["t"] == "gen_bytes":
+            chunks.append(msg["data"])
+            if on_bytes is not None:
+                on_bytes(msg["data"])
+        elif msg["t"] == "gen_done":
+            done.set_result(msg)
+        elif msg["t"] == "error":
+            done.set_exception(PeerGone(f"{addr} answered {msg['code']}: {msg['message']}"))
+
+    return await _streamed(addr, cfg, secret, {"t": "generate", **request}, handle, done, timeout,
+                           lambda result: {**result, "data": b"".join(chunks)})
+
+
+async def remote_score(addr: str, cfg: NodeConfig, request: dict, secret: bytes | None = None,
+                       timeout: float = 600.0) -> dict:
+    """CE of a text through the pipeline that the serving node at addr coordinates: its score_reply."""
+    request = {"id": 1, **request}
+    done: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    async def handle(_conn: Connection, msg: dict) -> None:
+        if msg.get("re") == request["id"] and not done.done():
+            if msg["t"] == "error":
+                done.set_exception(PeerGone(f"{addr} answered {msg['code']}: {msg['message']}"))
+            else:
+                done.set_result(msg)
+
+    return await _streamed(addr, cfg, secret, {"t": "score", **request}, handle, done, timeout, lambda r: r)
+
+
+async def _streamed(addr, cfg, secret, message, handle, done, timeout, finish) -> dict:
+    conn = await connect(addr, cfg, secret, handle)
+    try:
+        await conn.send(message)
+        waiter = asyncio.ensure_future(done)
+        closed = conn.reader_task
+        finished, _ = await asyncio.wait({waiter, closed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if waiter not in finished:
+            waiter.cancel()
+            raise PeerGone(f"{addr} closed the connection" if closed in finished else f"no answer within {timeout}s")
+        return finish(waiter.result())
+    finally:
+        await conn.close()

@@ -44,11 +44,12 @@ class PeerInfo:
     addr: str
     role: str
     blocks: list[int]
+    serves: list[int] = field(default_factory=list)  # blocks it serves for inference
     last_seen: float = field(default_factory=time.monotonic)
     rtt_ms: float | None = None
 
     def entry(self) -> dict:
-        return {"node": self.node, "addr": self.addr, "role": self.role, "blocks": self.blocks}
+        return {"node": self.node, "addr": self.addr, "role": self.role, "blocks": self.blocks, "serves": self.serves}
 
 
 def auth_mac(secret: bytes, swarm: str, their_nonce: bytes, my_nonce: bytes, my_node: str) -> bytes:
@@ -250,6 +251,7 @@ class Node:
 
     async def _handshake(self, conn: Connection) -> dict:
         me = {"node": self.id, "addr": self.cfg.address, "role": self.cfg.role, "blocks": list(self.cfg.blocks),
+              "serves": list(self.cfg.serves),
               "boot": self.boot}
         hello = await handshake(conn, me, self.cfg.swarm, self.secret)
         existing = self.conns.get(hello["node"])
@@ -279,7 +281,7 @@ class Node:
             log.info("peer %s joined from %s (role %s, blocks %s)", conn.label[:8], hello["addr"], hello["role"],
                      hello["blocks"])
         self.known[conn.label] = PeerInfo(conn.label, hello["addr"], hello["role"], hello["blocks"],
-                                          rtt_ms=info.rtt_ms if info else None)
+                                          list(hello.get("serves", [])), rtt_ms=info.rtt_ms if info else None)
         for hook in self.peer_hooks:
             self.spawn(hook(conn))
         return True
@@ -367,7 +369,8 @@ class Node:
             return
         info = self.known.get(node)
         if info is None:
-            self.known[node] = PeerInfo(node, entry["addr"], entry["role"], list(entry["blocks"]), now)
+            self.known[node] = PeerInfo(node, entry["addr"], entry["role"], list(entry["blocks"]),
+                                        list(entry.get("serves", [])), now)
         elif node not in self.conns:
             info.last_seen = now  # someone is still connected to it
 
@@ -393,11 +396,13 @@ class Node:
         for node, conn in self.conns.items():
             info = self.known.get(node)
             peers.append({"node": node, "addr": conn.hello.get("addr"), "role": conn.hello.get("role"),
-                          "blocks": conn.hello.get("blocks"), "rtt_ms": info.rtt_ms if info else None,
+                          "blocks": conn.hello.get("blocks"), "serves": conn.hello.get("serves", []),
+                          "rtt_ms": info.rtt_ms if info else None,
                           "traffic": self.traffic.totals(node)})
         return {
             "node": self.id, "swarm": self.cfg.swarm, "addr": self.cfg.address, "role": self.cfg.role,
-            "blocks": list(self.cfg.blocks), "version": VERSION, "uptime_s": time.monotonic() - self.started,
+            "blocks": list(self.cfg.blocks), "serves": list(self.cfg.serves), "version": VERSION,
+            "uptime_s": time.monotonic() - self.started,
             "authenticated": self.secret is not None, "tls": self._ssl_server is not None,
             "peers": sorted(peers, key=lambda p: p["node"]), "known": len(self.known),
             "traffic": self.traffic.totals(), "traffic_by_type": self.traffic.by_type(),

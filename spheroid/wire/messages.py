@@ -20,7 +20,7 @@ VERSION = 1
 SCHEMAS: dict[str, dict[str, str]] = {
     # handshake: both sides send hello first; with a swarm secret, both then send auth
     "hello": {"version": "uint", "swarm": "str", "node": "str", "addr": "str", "role": "str",
-              "blocks": "list", "nonce": "bin", "auth": "bool", "boot": "bin"},
+              "blocks": "list", "nonce": "bin", "auth": "bool", "boot": "bin", "serves": "list?"},
     "auth": {"mac": "bin"},
     # liveness and RTT
     "ping": {"ts": "float"},
@@ -44,6 +44,19 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "state_get": {"block": "uint"},
     "state_reply": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "stream": "uint",
                     "config": "map"},
+    # serving (spheroid/node/serving.py): a client asks any node, which coordinates; activations go
+    # hop to hop along the route, never through the client
+    "generate": {"prompt": "bin", "n_bytes": "uint", "mode": "str", "k": "uint", "temperature": "float",
+                 "seed": "uint", "route": "list"},
+    "gen_bytes": {"data": "bin"},
+    "gen_done": {"bytes": "uint", "traversals": "uint", "route": "list"},
+    "score": {"text": "bin", "chunk": "uint", "seed": "uint", "route": "list"},
+    "score_reply": {"nll": "float", "count": "uint", "windows": "uint", "route": "list"},
+    "hop": {"session": "str", "traversal": "uint", "route": "list", "at": "uint", "coordinator": "list", "model": "str",
+            "ctx": "bin", "start": "uint", "n_noisy": "uint", "chunk": "uint", "temperature": "float",
+            "seed": "uint", "z": "uint?", "targets": "bin?"},
+    "hop_done": {"session": "str", "traversal": "uint", "data": "bin", "nll": "float", "count": "uint"},
+    "hop_error": {"session": "str", "traversal": "uint", "node": "str", "message": "str"},
     # errors and goodbyes
     "error": {"code": "str", "message": "str"},
     "bye": {"reason": "str"},
@@ -51,7 +64,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
 COMMON = {"t": "str", "id": "uint", "re": "uint?"}
 
 # a peer entry inside peers_reply
-PEER_FIELDS = {"node": "str", "addr": "str", "role": "str", "blocks": "list"}
+PEER_FIELDS = {"node": "str", "addr": "str", "role": "str", "blocks": "list", "serves": "list?"}
 
 
 def check_kind(value: Any, kind: str) -> bool:
@@ -87,6 +100,8 @@ def validate(message: Any) -> dict:
 
 def validate_peer(entry: Any) -> dict:
     """Check one entry of a peers_reply list."""
-    if not isinstance(entry, dict) or not all(check_kind(entry.get(k), v) for k, v in PEER_FIELDS.items()):
+    if not isinstance(entry, dict) or not all(
+        check_kind(entry[k], v) if k in entry else v.endswith("?") for k, v in PEER_FIELDS.items()
+    ):
         raise ProtocolError("bad_field", f"a peer entry needs {sorted(PEER_FIELDS)} of the right types")
     return entry

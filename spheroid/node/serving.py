@@ -1,0 +1,306 @@
+"""A node that serves consecutive blocks for inference, and coordinates the requests of clients.
+
+A client sends `generate` or `score` to any serving node, which becomes the request's coordinator:
+it picks a route (spheroid/pipeline.py) and, for every traversal, sends a `hop` to the route's
+first node. Each node on the route runs the Euler steps of its blocks (in a worker thread, so the
+event loop, and a training loop beside it, keep going) and streams the noisy tensor to the next;
+the first node draws the starting noise itself, the last one reads off the logits and sends the
+bytes (or, for scoring, the summed negative log-likelihood) to the coordinator in `hop_done`.
+Activations move node to node and never through the client or the coordinator.
+
+A hop that fails reports `hop_error` naming the node it could not reach; a traversal that gets no
+answer within `hop_timeout` is retried on a route without the nodes whose connections are gone;
+after `retries` failed attempts the client gets a clear error. Nothing waits without a timeout.
+
+Noise and sampling use generators derived from (seed, traversal) (chain.traversal_generators),
+so a pipeline produces the bytes `spheroid generate CKPT` produces locally for the same seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as fn
+
+from .. import checkpoint
+from ..chain import euler_steps, gaussian, next_window, sample, traversal_generators
+from ..model import make_codebook
+from ..noise import sigma_grid
+from ..pipeline import Hop, NoRoute, build_route, check_route, serving_range
+from ..train import block_from
+from ..wire import ProtocolError
+from .connection import Connection, PeerGone
+from .node import Node
+
+log = logging.getLogger(__name__)
+
+MAX_PROMPT = 1 << 16  # bytes of prompt a request may carry
+MAX_GENERATE = 1 << 16  # bytes one request may ask for
+MAX_TEXT = 1 << 20  # bytes of text one score request may carry
+
+
+class HopFailed(Exception):
+    def __init__(self, node: str, message: str) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+class BlockServer:
+    def __init__(self, node: Node, folder: str | Path, first: int, last: int, hop_timeout: float = 10.0,
+                 retries: int = 2) -> None:
+        entries = [checkpoint.load(folder, checkpoint.block_name(b)) for b in range(first, last + 1)]
+        cfg = entries[0].config
+        for entry in entries[1:]:
+            checkpoint.require_same_model(entry, cfg, folder, f"block {first}")
+        if last >= cfg.model.n_blocks:
+            raise ValueError(f"--serve {first}-{last}: the model in {folder} has blocks 0..{cfg.model.n_blocks - 1}")
+        if cfg.model.layout != "concat":
+            raise ValueError("serving needs a concat-layout model (chunks of K bytes per traversal)")
+        if cfg.noise.churn > 0:
+            raise ValueError("serving runs the deterministic sampler; this model's noise config has churn > 0")
+        self.node, self.cfg, self.first, self.last = node, cfg, first, last
+        self.device = torch.device("cpu")
+        self.blocks = {b: block_from(e, cfg, self.device) for b, e in zip(range(first, last + 1), entries, strict=True)}
+        self.codebook = make_codebook(cfg.model).to(self.device)
+        self.grid = sigma_grid(cfg.noise, cfg.model.n_blocks)
+        # which model this is (not which weights: holders of a block may be a round apart)
+        self.model_id = hashlib.sha256(repr((cfg.model, cfg.noise)).encode()).hexdigest()[:16]
+        self.hop_timeout, self.retries = hop_timeout, retries
+        self.waiting: dict[tuple[str, int], asyncio.Future] = {}
+        self.counters = {"hops": 0, "requests": 0, "traversals": 0, "failed_hops": 0, "reroutes": 0}
+        node.handlers.update(hop=self.on_hop, hop_done=self.on_hop_done, hop_error=self.on_hop_error,
+                             generate=self.on_generate, score=self.on_score)
+        node.status_parts["serving"] = self.status
+
+    def status(self) -> dict:
+        return {"blocks": [self.first, self.last], "n_blocks": self.cfg.model.n_blocks,
+                "context": self.cfg.model.context, "model": self.model_id, **self.counters}
+
+    # --- routes -------------------------------------------------------------------------------------
+
+    def candidates(self) -> list[Hop]:
+        """This node and every connected member that serves a consecutive range of blocks."""
+        out = [Hop(self.node.id, self.node.cfg.address, self.first, self.last, 0.0)]
+        for node_id, conn in self.node.conns.items():
+            rng = serving_range(conn.hello.get("serves", []))
+            info = self.node.known.get(node_id)
+            if rng is not None and not conn.closed:
+                out.append(Hop(node_id, conn.hello["addr"], *rng, info.rtt_ms if info else None))
+        return out
+
+    def route(self, requested: list, exclude: set[str]) -> list[Hop]:
+        """The client's route if it named one (and none of it failed), else the best one from membership."""
+        if requested and not exclude:
+            route = [Hop.from_wire(h) for h in requested]
+            check_route(route, self.cfg.model.n_blocks)
+            return route
+        return build_route(self.candidates(), self.cfg.model.n_blocks, exclude)
+
+    # --- coordinating ---------------------------------------------------------------------------------
+
+    async def on_generate(self, conn: Connection, msg: dict) -> None:
+        self.node.spawn(self._answer(conn, msg, self._generate(conn, msg)))
+
+    async def on_score(self, conn: Connection, msg: dict) -> None:
+        self.node.spawn(self._answer(conn, msg, self._score(conn, msg)))
+
+    async def _answer(self, conn: Connection, msg: dict, work) -> None:
+        """Run a client request; any failure becomes one clear error reply, and the node carries on."""
+        self.counters["requests"] += 1
+        try:
+            await work
+        except PeerGone:
+            log.info("client of request %d went away", msg["id"])
+        except (NoRoute, HopFailed, ValueError) as exc:
+            code = "no_route" if isinstance(exc, NoRoute) else ("hop_failed" if isinstance(exc, HopFailed)
+                                                               else "bad_request")
+            with contextlib.suppress(PeerGone):
+                await conn.send({"t": "error", "re": msg["id"], "code": code, "message": str(exc)})
+
+    async def _generate(self, conn: Connection, msg: dict) -> None:
+        context = self.cfg.model.context
+        if msg["mode"] not in ("ar", "sweep"):
+            raise ValueError(f"mode must be ar or sweep, got {msg['mode']!r}")
+        if len(msg["prompt"]) > MAX_PROMPT or not 0 < msg["n_bytes"] <= MAX_GENERATE:
+            raise ValueError(f"prompt up to {MAX_PROMPT} bytes and 1 to {MAX_GENERATE} bytes to generate")
+        chunk = 1 if msg["mode"] == "ar" else msg["k"]
+        if not 1 <= chunk <= context - 1 or msg["temperature"] < 0:
+            raise ValueError(f"k must be in [1, {context - 1}] and temperature >= 0")
+        session = os.urandom(8).hex()
+        out = bytearray(msg["prompt"] or b"\n")
+        produced, traversal, exclude, route = 0, 0, set(), None
+        while produced < msg["n_bytes"]:
+            k = min(chunk, msg["n_bytes"] - produced)
+            ctx = next_window(out, k, context)
+            fields = {"ctx": ctx, "start": len(ctx) - 1, "n_noisy": k, "chunk": k,
+                      "temperature": float(msg["temperature"]), "seed": msg["seed"]}
+            done, route = await self.traverse(session, traversal, msg["route"], exclude, fields)
+            out.extend(done["data"])
+            produced += k
+            traversal += 1
+            await conn.send({"t": "gen_bytes", "re": msg["id"], "data": done["data"]})
+        await conn.send({"t": "gen_done", "re": msg["id"], "bytes": produced, "traversals": traversal,
+                         "route": [h.to_wire() for h in route]})
+
+    async def _score(self, conn: Connection, msg: dict) -> None:
+        text, context = msg["text"], self.cfg.model.context
+        if not context + 1 <= len(text) <= MAX_TEXT:
+            raise ValueError(f"text must be {context + 1} to {MAX_TEXT} bytes")
+        if not 1 <= msg["chunk"] <= context:
+            raise ValueError(f"chunk must be in [1, {context}]")
+        session, exclude, route = os.urandom(8).hex(), set(), None
+        nll, count, windows = 0.0, 0, 0
+        for i in range(0, len(text) - context, context):  # one traversal per window of context + 1 bytes
+            window = text[i : i + context + 1]
+            fields = {"ctx": window[:-1], "start": 0, "n_noisy": len(window) - 1, "chunk": msg["chunk"],
+                      "temperature": 0.0, "seed": msg["seed"], "targets": window[1:]}
+            done, route = await self.traverse(session, windows, msg["route"], exclude, fields)
+            nll, count, windows = nll + done["nll"], count + done["count"], windows + 1
+        await conn.send({"t": "score_reply", "re": msg["id"], "nll": nll, "count": count, "windows": windows,
+                         "route": [h.to_wire() for h in route]})
+
+    async def traverse(self, session: str, traversal: int, requested: list, exclude: set[str],
+                       fields: dict) -> tuple[dict, list[Hop]]:
+        """One traversal of the route; re-routed around failed nodes, at most `retries` times."""
+        me = [self.node.id, self.node.cfg.address, 0, 0]
+        error = "no attempt"
+        for attempt in range(self.retries + 1):
+            route = self.route(requested, exclude)
+            key = (session, traversal)
+            future = asyncio.get_running_loop().create_future()
+            self.waiting[key] = future
+            hop = {"t": "hop", "session": session, "traversal": traversal, "route": [h.to_wire() for h in route],
+                   "at": 0, "coordinator": me, "model": self.model_id, **fields}
+            try:
+                await self._deliver(route[0], hop)
+                done = await asyncio.wait_for(future, self.hop_timeout)
+                self.counters["traversals"] += 1
+                return done, route
+            except HopFailed as exc:
+                error = str(exc)
+                exclude.add(exc.node)
+            except (TimeoutError, PeerGone) as exc:
+                error = f"no answer from the route within {self.hop_timeout}s" if isinstance(exc, TimeoutError) \
+                    else str(exc)
+                exclude.update(h.node for h in route if h.node != self.node.id and (
+                    h.node not in self.node.conns or self.node.conns[h.node].closed))
+            finally:
+                self.waiting.pop(key, None)
+            self.counters["reroutes"] += 1
+            log.warning("traversal %d of session %s failed (attempt %d): %s", traversal, session, attempt + 1, error)
+        raise HopFailed("", f"the request failed after {self.retries + 1} attempts: {error}")
+
+    async def on_hop_done(self, conn: Connection, msg: dict) -> None:
+        future = self.waiting.get((msg["session"], msg["traversal"]))
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    async def on_hop_error(self, conn: Connection, msg: dict) -> None:
+        future = self.waiting.get((msg["session"], msg["traversal"]))
+        if future is not None and not future.done():
+            future.set_exception(HopFailed(msg["node"], f"hop {msg['node'][:8]}: {msg['message']}"))
+
+    # --- hops ---------------------------------------------------------------------------------------
+
+    async def _connection(self, hop: Hop) -> Connection:
+        conn = self.node.conns.get(hop.node)
+        if conn is None or conn.closed:
+            conn = await self.node.dial(hop.addr)
+        if conn is None or conn.closed:
+            raise PeerGone(f"cannot reach {hop.node[:8]} at {hop.addr}")
+        return conn
+
+    async def _deliver(self, hop: Hop, msg: dict, z: torch.Tensor | None = None) -> None:
+        """Hand a hop message (and its tensor) to the node `hop` names; to ourselves without the network."""
+        msg = {k: v for k, v in msg.items() if k not in ("id", "z")}
+        if hop.node == self.node.id:
+            self.node.spawn(self._run_hop(msg, z))
+            return
+        conn = await self._connection(hop)
+        if z is not None:
+            msg["z"] = await conn.send_tensor(z, "raw")
+        await conn.send(msg)
+
+    async def _reply(self, coordinator: Hop, msg: dict) -> None:
+        if coordinator.node == self.node.id:
+            await (self.on_hop_done if msg["t"] == "hop_done" else self.on_hop_error)(None, msg)
+            return
+        with contextlib.suppress(PeerGone):
+            await (await self._connection(coordinator)).send(msg)
+
+    async def on_hop(self, conn: Connection, msg: dict) -> None:
+        z = conn.streams.take(msg["z"]) if "z" in msg else None
+        self.node.spawn(self._run_hop(msg, z))
+
+    async def _run_hop(self, msg: dict, z: torch.Tensor | None) -> None:
+        try:
+            coordinator = Hop.from_wire(msg["coordinator"])
+            route = [Hop.from_wire(h) for h in msg["route"]]
+        except ValueError as exc:
+            log.warning("hop with a malformed route dropped: %s", exc)
+            return
+        failed, nxt = self.node.id, None
+        try:
+            x, z = self._check_hop(msg, route, z)
+            spb = self.cfg.noise.steps_per_block
+            steps = range(self.first * spb, (self.last + 1) * spb)
+            z = await asyncio.to_thread(euler_steps, self.blocks, self.cfg.noise, self.grid, self.codebook, x, z, steps,
+                                        None, msg["start"], msg["chunk"])
+            self.counters["hops"] += 1
+            if msg["at"] == len(route) - 1:
+                await self._reply(coordinator, await asyncio.to_thread(self._finish, msg, x, z))
+            else:
+                nxt = route[msg["at"] + 1]
+                failed = nxt.node
+                await self._deliver(nxt, {**msg, "at": msg["at"] + 1}, z)
+        except (ValueError, PeerGone, ProtocolError, RuntimeError) as exc:
+            self.counters["failed_hops"] += 1
+            log.warning("hop of session %s failed: %s", str(msg.get("session"))[:8], exc)
+            await self._reply(coordinator, {"t": "hop_error", "session": msg["session"], "traversal": msg["traversal"],
+                                            "node": failed, "message": str(exc)})
+
+    def _check_hop(self, msg: dict, route: list[Hop], z: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The clean context and the noisy tensor of a hop, or ValueError if the hop is not for us."""
+        at, context, d = msg["at"], self.cfg.model.context, self.cfg.model.d_model
+        if at >= len(route) or route[at].node != self.node.id or (route[at].first, route[at].last) != (
+                self.first, self.last):
+            raise ValueError("the route names blocks this node does not serve")
+        if msg.get("model") != self.model_id:
+            raise ValueError("the request is for another model than the one this node serves")
+        n, start, ctx = msg["n_noisy"], msg["start"], msg["ctx"]
+        if not (1 <= len(ctx) <= context and 1 <= n and start + n <= context and 1 <= msg["chunk"] <= n
+                and start <= len(ctx) - 1):
+            raise ValueError(f"context of {len(ctx)} bytes, {n} noisy from position {start}: outside the "
+                             f"model's window of {context}")
+        if "targets" in msg and len(msg["targets"]) != n:
+            raise ValueError("targets must have one byte per noisy position")
+        x = torch.tensor(list(ctx), dtype=torch.long)[None, :]
+        if z is None:
+            if at != 0:
+                raise ValueError("only the first hop starts from noise")
+            noise_gen, _ = traversal_generators(msg["seed"], msg["traversal"], self.device)
+            z = self.grid[0].item() * gaussian((1, n, d), noise_gen, self.device)
+        elif z.dtype != torch.float32 or tuple(z.shape) != (1, n, d) or not torch.isfinite(z).all():
+            raise ValueError(f"the noisy tensor must be finite float32 (1, {n}, {d})")
+        return x, z
+
+    def _finish(self, msg: dict, x: torch.Tensor, z: torch.Tensor) -> dict:
+        """The last hop: logits at sigma_min, then the sampled bytes or the NLL of the targets."""
+        sigma_min = torch.full((1,), self.cfg.noise.sigma_min)
+        with torch.no_grad():
+            logits = self.blocks[self.last](x, z, sigma_min, msg["start"], msg["chunk"]).float()[0]  # (n, V)
+        done = {"t": "hop_done", "session": msg["session"], "traversal": msg["traversal"], "data": b"",
+                "nll": 0.0, "count": 0}
+        if "targets" in msg:
+            y = torch.tensor(list(msg["targets"]), dtype=torch.long)
+            done.update(nll=fn.cross_entropy(logits, y, reduction="sum").item(), count=len(msg["targets"]))
+        else:
+            _, sample_gen = traversal_generators(msg["seed"], msg["traversal"], self.device)
+            done["data"] = bytes(sample(logits, msg["temperature"], sample_gen).tolist())
+        return done
