@@ -1,0 +1,161 @@
+"""The inference pipeline: routes, a real 3-node pipeline against local generation, failover, load,
+bad requests. Serving nodes are separate processes through the CLI, on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from spheroid.chain import generate
+from spheroid.config import NodeConfig
+from spheroid.node.client import remote_generate, remote_score
+from spheroid.node.connection import PeerGone
+from spheroid.pipeline import Hop, NoRoute, build_route, check_route, parse_blocks, serving_range
+from spheroid.train import load_chain
+
+from .nodes import NodeProcess, handshake_then, wait_until
+
+CLIENT = NodeConfig(role="client", timeout=20)
+
+
+def test_route_prefers_low_rtt_and_avoids_excluded_nodes():
+    servers = [Hop("a", "h:1", 0, 1, 5.0), Hop("b", "h:2", 2, 2, 40.0), Hop("b2", "h:3", 2, 2, 10.0),
+               Hop("c", "h:4", 3, 3, 20.0), Hop("all", "h:5", 0, 3, None)]
+    assert [h.node for h in build_route(servers, 4)] == ["a", "b2", "c"]
+    assert [h.node for h in build_route(servers, 4, exclude={"b2"})] == ["a", "b", "c"]
+    assert [h.node for h in build_route(servers, 4, exclude={"c"})] == ["all"]
+    with pytest.raises(NoRoute, match="block 2 onwards"):
+        build_route(servers, 4, exclude={"b", "b2", "all"})
+    check_route([Hop("a", "", 0, 1), Hop("c", "", 2, 3)], 4)
+    with pytest.raises(ValueError, match="starts at block 3"):
+        check_route([Hop("a", "", 0, 1), Hop("c", "", 3, 3)], 4)
+    assert parse_blocks("0-1") == (0, 1) and parse_blocks("2") == (2, 2)
+    with pytest.raises(ValueError):
+        parse_blocks("3-1")
+    assert serving_range([2, 1]) == (1, 2) and serving_range([0, 2]) is None and serving_range([]) is None
+    with pytest.raises(ValueError, match="route entry"):
+        Hop.from_wire(["a", "h:1", 2, 1])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, data_dir):
+    """Four tiny blocks, trained for a few steps (what they say does not matter; that it is exact does)."""
+    folder = tmp_path_factory.mktemp("served")
+    for block in range(4):
+        subprocess.run([sys.executable, "-m", "spheroid", "-q", "train", "--block", str(block), "--steps", "5",
+                        "--d-model", "32", "--n-heads", "2", "--layers-per-block", "1", "--context", "32",
+                        "--batch", "4", "--block-input", "noised", "--data", str(data_dir), "--out", str(folder)],
+                       check=True, timeout=120)
+    return folder
+
+
+@pytest.fixture
+def servers(tmp_path, model_dir):
+    started: list[NodeProcess] = []
+
+    def start(name: str, blocks: str, seed: NodeProcess | None = None, *flags: str) -> NodeProcess:
+        args = ["--serve", blocks, "--checkpoint", str(model_dir), *flags]
+        if seed is not None:
+            args += ["--peer", seed.addr]
+        node = NodeProcess(tmp_path, name, *args).start()
+        started.append(node)
+        return node
+
+    yield start
+    for node in started:
+        node.stop()
+
+
+def pipeline(servers, *flags: str, middle: int = 1) -> tuple[NodeProcess, list[NodeProcess], NodeProcess]:
+    head = servers("head", "0-1", None, *flags)
+    mids = [servers(f"mid{i}", "2", head, *flags) for i in range(middle)]
+    tail = servers("tail", "3", head, *flags)
+    every = [head, *mids, tail]
+    wait_until(lambda: all(len(n.status()["peers"]) == len(every) - 1 for n in every), 60, "full membership")
+    return head, mids, tail
+
+
+def ask(addr: str, **request) -> dict:
+    base = {"prompt": b"The ", "n_bytes": 24, "mode": "sweep", "k": 8, "temperature": 0.8, "seed": 5, "route": []}
+    return asyncio.run(remote_generate(addr, CLIENT, {**base, **request}))
+
+
+def test_three_node_pipeline_gives_the_bytes_of_local_generation(servers, model_dir):
+    head, (mid,), tail = pipeline(servers)
+    cfg, blocks, codebook = load_chain(model_dir, torch.device("cpu"))
+    for mode, k, temperature in (("sweep", 8, 0.8), ("sweep", 24, 0.0), ("ar", 1, 0.8)):
+        got = ask(mid.addr, mode=mode, k=k, temperature=temperature)  # any serving node coordinates
+        local = generate(blocks, cfg.noise, codebook, b"The ", 24, k, temperature, 5)
+        assert got["data"] == local, mode
+        assert got["traversals"] == 24 // k and [h[0] for h in got["route"]] == [
+            head.status()["node"], mid.status()["node"], tail.status()["node"]]
+    reply = asyncio.run(remote_score(head.addr, CLIENT, {"text": bytes(range(32, 127)) * 2, "chunk": 1, "seed": 0,
+                                                         "route": []}))
+    assert reply["windows"] == 5 and reply["count"] == 5 * 32 and 0 < reply["nll"] / reply["count"] < 10
+    assert tail.status()["serving"]["hops"] >= 3 + 24 + 5
+
+
+def test_sixteen_concurrent_sessions_complete_with_the_right_lengths(servers):
+    head, _, _ = pipeline(servers)
+
+    async def many() -> list[dict]:
+        return await asyncio.gather(*(remote_generate(head.addr, CLIENT, {
+            "prompt": f"session {i} ".encode(), "n_bytes": 10 + i, "mode": "sweep" if i % 2 else "ar", "k": 4,
+            "temperature": 0.8, "seed": i, "route": []}) for i in range(16)))
+
+    for i, result in enumerate(asyncio.run(many())):
+        assert len(result["data"]) == result["bytes"] == 10 + i
+
+
+def test_a_dead_middle_hop_is_routed_around_or_fails_clearly(servers):
+    head, (mid, spare), tail = pipeline(servers, "--hop-timeout", "3", middle=2)
+    ids = {n: n.status()["node"] for n in (head, mid, spare, tail)}
+    route = [[ids[head], head.addr, 0, 1], [ids[mid], mid.addr, 2, 2], [ids[tail], tail.addr, 3, 3]]
+    killed = []
+
+    def kill_mid_once(_data: bytes) -> None:
+        if not killed:
+            mid.kill()
+            killed.append(time.monotonic())
+
+    result = asyncio.run(remote_generate(head.addr, CLIENT, {
+        "prompt": b"x", "n_bytes": 12, "mode": "ar", "k": 1, "temperature": 0.8, "seed": 1, "route": route},
+        on_bytes=kill_mid_once))
+    assert killed and len(result["data"]) == 12
+    assert [h[0] for h in result["route"]] == [ids[head], ids[spare], ids[tail]]  # re-routed, completed
+    spare.kill()
+    started = time.monotonic()
+    with pytest.raises(PeerGone, match="no live serving nodes cover block 2"):
+        ask(head.addr)
+    assert time.monotonic() - started < 30  # a clear error, never a hang
+    assert head.status()["serving"]["blocks"] == [0, 1]  # and the node keeps serving
+
+
+@pytest.mark.parametrize("request_fields, code", [
+    ({"mode": "beam"}, "mode must be"),
+    ({"n_bytes": 10**7}, "bytes to generate"),
+    ({"k": 999}, "k must be"),
+    ({"route": [["nobody", "127.0.0.1:1", 0, 1]]}, "route covers blocks 0..1"),
+])
+def test_bad_requests_get_a_clear_error_and_the_nodes_keep_serving(servers, request_fields, code):
+    head, _, _ = pipeline(servers, "--hop-timeout", "2")
+    with pytest.raises(PeerGone, match=code):
+        ask(head.addr, **request_fields)
+    assert len(ask(head.addr)["data"]) == 24
+
+
+def test_malformed_hops_and_oversized_frames_leave_the_pipeline_serving(servers):
+    from spheroid.wire import encode
+
+    head, _, _ = pipeline(servers)
+    bad_hop = {"t": "hop", "id": 7, "session": "s", "traversal": 0, "route": [["x"]], "at": 0, "coordinator": ["y"],
+               "model": "m", "ctx": b"ab", "start": 1, "n_noisy": 1, "chunk": 1, "temperature": 0.0, "seed": 0}
+    handshake_then(head.addr, encode(bad_hop), encode({"t": "no_such", "id": 8}))
+    got = handshake_then(head.addr, b"\xff\xff\xff\xff" + b"x" * 64)  # a frame header claiming 4 GiB
+    assert got[-1]["t"] == "error" and got[-1]["code"] == "too_large"
+    assert len(ask(head.addr)["data"]) == 24
