@@ -24,7 +24,7 @@ from .node.connection import PeerGone
 from .node.identity import IdentityError
 from .node.identity import load_or_create as load_identity
 from .node.node import Node
-from .node.serving import BlockServer
+from .node.serving import BlockServer, ReferenceServer
 from .node.worker import BlockWorker
 from .pipeline import parse_blocks
 from .train import (
@@ -375,16 +375,22 @@ def tls_options(func):
                                              "--checkpoint).")
 @click.option("--checkpoint", "serve_from", type=click.Path(exists=True, file_okay=False),
               help="Checkpoint folder the --serve blocks are loaded from.")
+@click.option("--serve-reference", is_flag=True,
+              help="Serve the end-to-end reference's layers for those blocks instead (the AR baseline).")
 @click.option("--hop-timeout", type=float, default=10.0, show_default=True,
               help="Seconds a coordinated traversal may take before it is re-routed.")
+@click.option("--cache-mb", type=float, default=256.0, show_default=True,
+              help="Memory for sessions' cached keys and values (the reference pipeline).")
+@click.option("--session-ttl", type=float, default=300.0, show_default=True,
+              help="Seconds an idle session's cache is kept.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads for training and serving.")
 @click.option("--status-interval", type=float, default=5.0, show_default=True, help="Seconds between status lines.")
 @data_option
 @tls_options
 @fail_clearly
 def node(listen, peers, announce, swarm, secret_file, identity, role, block, out, config_file, every, codec, lz4,
-         wait, outer, outer_lr, outer_momentum, serve, serve_from, hop_timeout, threads, status_interval, data_dir,
-         tls_cert, tls_key, tls_ca, **overrides) -> None:
+         wait, outer, outer_lr, outer_momentum, serve, serve_from, serve_reference, hop_timeout, cache_mb, session_ttl,
+         threads, status_interval, data_dir, tls_cert, tls_key, tls_ca, **overrides) -> None:
     """Run a node: serve the protocol, join the swarm through --peer, train --block B and serve --serve
     blocks if given, until Ctrl-C."""
     served = parse_blocks(serve) if serve else None
@@ -399,7 +405,10 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
     try:
         member = Node(cfg, ident, secret)
         torch.set_num_threads(threads)
-        if served:
+        if served and serve_reference:
+            ReferenceServer(member, serve_from, *served, hop_timeout=hop_timeout, cache_mb=cache_mb,
+                            session_ttl=session_ttl)
+        elif served:
             BlockServer(member, serve_from, *served, hop_timeout=hop_timeout)
         work = None
         if block is not None:

@@ -75,6 +75,23 @@ def cached_mask(n_clean: int, n_noisy: int, start: int, chunk: int, device: torc
     return attention_mask(n_clean, n_noisy, start, chunk).to(device)
 
 
+class KVCache:
+    """Keys and values of the positions a layer has already seen (serving: one per session and layer)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None  # (B, heads, seen, d/heads)
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+
+
 class Attention(nn.Module):
     def __init__(self, d: int, n_heads: int) -> None:
         super().__init__()
@@ -82,11 +99,18 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
         b, s, d = h.shape
         q, k, v = self.qkv(h).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        if mask is None:  # plain causal
+        if cache is not None:  # these s positions follow the ones in the cache
+            k, v = cache.extend(k, v)
+        seen = k.shape[2] - s
+        if mask is None and seen == 0:  # plain causal
             out = fn.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif mask is None:  # causal, the queries being the last s positions
+            positions = torch.arange(k.shape[2], device=h.device)
+            keep = positions[None, :] <= seen + positions[:s, None]  # (s, seen + s)
+            out = fn.scaled_dot_product_attention(q, k, v, attn_mask=keep)
         else:
             out = fn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(b, s, d))
@@ -104,10 +128,11 @@ class Layer(nn.Module):
         self.ada = nn.Linear(d, 6 * d) if conditioned else None
 
     def forward(
-        self, h: torch.Tensor, mask: torch.Tensor | None, cond: torch.Tensor | None = None
+        self, h: torch.Tensor, mask: torch.Tensor | None, cond: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         if self.ada is None:
-            h = h + self.attn(self.norm1(h), mask)
+            h = h + self.attn(self.norm1(h), mask, cache)
             return h + self.mlp(self.norm2(h))
         # cond: (B, S, d) one condition per token, or (B, 1, d) one per sequence -> shift, scale and
         # gate for both sublayers
@@ -256,12 +281,16 @@ class Reference(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T) bytes -> logits (B, T, V) for the byte after each position."""
-        if x.shape[1] > self.pos_emb.shape[0]:
-            raise ValueError(f"{x.shape[1]} bytes exceed the context of {self.pos_emb.shape[0]}")
-        h = self.tok_emb(x) + self.pos_emb[: x.shape[1]]
+        h = self.embed(x, 0)
         for layer in self.layers:
             h = layer(h, None)
         return self.head(self.norm(h))
+
+    def embed(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Bytes at positions start.. -> the first layer's input (B, T, d)."""
+        if start + x.shape[1] > self.pos_emb.shape[0]:
+            raise ValueError(f"positions up to {start + x.shape[1]} exceed the context of {self.pos_emb.shape[0]}")
+        return self.tok_emb(x) + self.pos_emb[start : start + x.shape[1]]
 
 
 def init_weights(module: nn.Module) -> None:

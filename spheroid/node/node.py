@@ -135,6 +135,7 @@ class Node:
         self.peer_hooks: list[Callable[[Connection], Awaitable[None]]] = []  # run when a peer registers
         self.status_parts: dict[str, Callable[[], dict]] = {}  # extra sections of status()
         self.line_parts: list[Callable[[], str]] = []  # extra fields of the status line
+        self.serving_model = ""  # id of the model whose blocks it serves (set by a serving component)
 
     # --- life cycle -------------------------------------------------------------------------------
 
@@ -251,7 +252,7 @@ class Node:
 
     async def _handshake(self, conn: Connection) -> dict:
         me = {"node": self.id, "addr": self.cfg.address, "role": self.cfg.role, "blocks": list(self.cfg.blocks),
-              "serves": list(self.cfg.serves),
+              "serves": list(self.cfg.serves), "model": self.serving_model,
               "boot": self.boot}
         hello = await handshake(conn, me, self.cfg.swarm, self.secret)
         existing = self.conns.get(hello["node"])

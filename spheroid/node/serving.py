@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -30,10 +31,11 @@ import torch.nn.functional as fn
 
 from .. import checkpoint
 from ..chain import euler_steps, gaussian, next_window, sample, traversal_generators
-from ..model import make_codebook
+from ..config import RunConfig
+from ..model import KVCache, make_codebook
 from ..noise import sigma_grid
 from ..pipeline import Hop, NoRoute, build_route, check_route, serving_range
-from ..train import block_from
+from ..train import block_from, load_reference
 from ..wire import ProtocolError
 from .connection import Connection, PeerGone
 from .node import Node
@@ -51,26 +53,55 @@ class HopFailed(Exception):
         self.node = node
 
 
-class BlockServer:
-    def __init__(self, node: Node, folder: str | Path, first: int, last: int, hop_timeout: float = 10.0,
-                 retries: int = 2) -> None:
-        entries = [checkpoint.load(folder, checkpoint.block_name(b)) for b in range(first, last + 1)]
-        cfg = entries[0].config
-        for entry in entries[1:]:
-            checkpoint.require_same_model(entry, cfg, folder, f"block {first}")
+class SessionCache:
+    """Per-session state a serving node keeps between traversals (KV caches), bounded and expiring.
+
+    Least recently used sessions go first when the bytes held pass `max_bytes`; a session unused
+    for `ttl` seconds is dropped at the next access.
+    """
+
+    def __init__(self, max_bytes: int, ttl: float) -> None:
+        self.max_bytes, self.ttl = max_bytes, ttl
+        self._sessions: dict[str, tuple[float, list[KVCache]]] = {}
+
+    def get(self, session: str, layers: int) -> list[KVCache]:
+        now = time.monotonic()
+        for key in [k for k, (used, _) in self._sessions.items() if now - used > self.ttl]:
+            del self._sessions[key]
+        _, caches = self._sessions.pop(session, (now, None))
+        caches = caches or [KVCache() for _ in range(layers)]
+        self._sessions[session] = (now, caches)  # most recently used last
+        while self.nbytes > self.max_bytes and len(self._sessions) > 1:
+            del self._sessions[next(iter(self._sessions))]
+        return caches
+
+    def drop(self, session: str) -> None:
+        self._sessions.pop(session, None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for _, caches in self._sessions.values() for c in caches)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+
+class PipelineServer:
+    """What every serving node does: coordinate client requests along routes, and relay hops.
+
+    Subclasses say what a hop computes (`_compute`) and what a request is (`_generate`, `_score`).
+    """
+
+    kind = ""
+
+    def __init__(self, node: Node, cfg: RunConfig, first: int, last: int, model_id: str, hop_timeout: float,
+                 retries: int) -> None:
         if last >= cfg.model.n_blocks:
-            raise ValueError(f"--serve {first}-{last}: the model in {folder} has blocks 0..{cfg.model.n_blocks - 1}")
-        if cfg.model.layout != "concat":
-            raise ValueError("serving needs a concat-layout model (chunks of K bytes per traversal)")
-        if cfg.noise.churn > 0:
-            raise ValueError("serving runs the deterministic sampler; this model's noise config has churn > 0")
+            raise ValueError(f"--serve {first}-{last}: the model has blocks 0..{cfg.model.n_blocks - 1}")
         self.node, self.cfg, self.first, self.last = node, cfg, first, last
         self.device = torch.device("cpu")
-        self.blocks = {b: block_from(e, cfg, self.device) for b, e in zip(range(first, last + 1), entries, strict=True)}
-        self.codebook = make_codebook(cfg.model).to(self.device)
-        self.grid = sigma_grid(cfg.noise, cfg.model.n_blocks)
-        # which model this is (not which weights: holders of a block may be a round apart)
-        self.model_id = hashlib.sha256(repr((cfg.model, cfg.noise)).encode()).hexdigest()[:16]
+        self.model_id = model_id
+        node.serving_model = model_id
         self.hop_timeout, self.retries = hop_timeout, retries
         self.waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.counters = {"hops": 0, "requests": 0, "traversals": 0, "failed_hops": 0, "reroutes": 0}
@@ -85,12 +116,12 @@ class BlockServer:
     # --- routes -------------------------------------------------------------------------------------
 
     def candidates(self) -> list[Hop]:
-        """This node and every connected member that serves a consecutive range of blocks."""
+        """This node and every connected member that serves a consecutive range of blocks of this model."""
         out = [Hop(self.node.id, self.node.cfg.address, self.first, self.last, 0.0)]
         for node_id, conn in self.node.conns.items():
             rng = serving_range(conn.hello.get("serves", []))
             info = self.node.known.get(node_id)
-            if rng is not None and not conn.closed:
+            if rng is not None and not conn.closed and conn.hello.get("model") == self.model_id:
                 out.append(Hop(node_id, conn.hello["addr"], *rng, info.rtt_ms if info else None))
         return out
 
@@ -122,48 +153,6 @@ class BlockServer:
                                                                else "bad_request")
             with contextlib.suppress(PeerGone):
                 await conn.send({"t": "error", "re": msg["id"], "code": code, "message": str(exc)})
-
-    async def _generate(self, conn: Connection, msg: dict) -> None:
-        context = self.cfg.model.context
-        if msg["mode"] not in ("ar", "sweep"):
-            raise ValueError(f"mode must be ar or sweep, got {msg['mode']!r}")
-        if len(msg["prompt"]) > MAX_PROMPT or not 0 < msg["n_bytes"] <= MAX_GENERATE:
-            raise ValueError(f"prompt up to {MAX_PROMPT} bytes and 1 to {MAX_GENERATE} bytes to generate")
-        chunk = 1 if msg["mode"] == "ar" else msg["k"]
-        if not 1 <= chunk <= context - 1 or msg["temperature"] < 0:
-            raise ValueError(f"k must be in [1, {context - 1}] and temperature >= 0")
-        session = os.urandom(8).hex()
-        out = bytearray(msg["prompt"] or b"\n")
-        produced, traversal, exclude, route = 0, 0, set(), None
-        while produced < msg["n_bytes"]:
-            k = min(chunk, msg["n_bytes"] - produced)
-            ctx = next_window(out, k, context)
-            fields = {"ctx": ctx, "start": len(ctx) - 1, "n_noisy": k, "chunk": k,
-                      "temperature": float(msg["temperature"]), "seed": msg["seed"]}
-            done, route = await self.traverse(session, traversal, msg["route"], exclude, fields)
-            out.extend(done["data"])
-            produced += k
-            traversal += 1
-            await conn.send({"t": "gen_bytes", "re": msg["id"], "data": done["data"]})
-        await conn.send({"t": "gen_done", "re": msg["id"], "bytes": produced, "traversals": traversal,
-                         "route": [h.to_wire() for h in route]})
-
-    async def _score(self, conn: Connection, msg: dict) -> None:
-        text, context = msg["text"], self.cfg.model.context
-        if not context + 1 <= len(text) <= MAX_TEXT:
-            raise ValueError(f"text must be {context + 1} to {MAX_TEXT} bytes")
-        if not 1 <= msg["chunk"] <= context:
-            raise ValueError(f"chunk must be in [1, {context}]")
-        session, exclude, route = os.urandom(8).hex(), set(), None
-        nll, count, windows = 0.0, 0, 0
-        for i in range(0, len(text) - context, context):  # one traversal per window of context + 1 bytes
-            window = text[i : i + context + 1]
-            fields = {"ctx": window[:-1], "start": 0, "n_noisy": len(window) - 1, "chunk": msg["chunk"],
-                      "temperature": 0.0, "seed": msg["seed"], "targets": window[1:]}
-            done, route = await self.traverse(session, windows, msg["route"], exclude, fields)
-            nll, count, windows = nll + done["nll"], count + done["count"], windows + 1
-        await conn.send({"t": "score_reply", "re": msg["id"], "nll": nll, "count": count, "windows": windows,
-                         "route": [h.to_wire() for h in route]})
 
     async def traverse(self, session: str, traversal: int, requested: list, exclude: set[str],
                        fields: dict) -> tuple[dict, list[Hop]]:
@@ -245,62 +234,204 @@ class BlockServer:
         except ValueError as exc:
             log.warning("hop with a malformed route dropped: %s", exc)
             return
-        failed, nxt = self.node.id, None
+        failed, at = self.node.id, msg["at"]
         try:
-            x, z = self._check_hop(msg, route, z)
-            spb = self.cfg.noise.steps_per_block
-            steps = range(self.first * spb, (self.last + 1) * spb)
-            z = await asyncio.to_thread(euler_steps, self.blocks, self.cfg.noise, self.grid, self.codebook, x, z, steps,
-                                        None, msg["start"], msg["chunk"])
+            if at >= len(route) or route[at].node != self.node.id or (route[at].first, route[at].last) != (
+                    self.first, self.last):
+                raise ValueError("the route names blocks this node does not serve")
+            if msg.get("model") != self.model_id:
+                raise ValueError("the request is for another model than the one this node serves")
+            last = at == len(route) - 1
+            result = await asyncio.to_thread(self._compute, msg, z, last)
             self.counters["hops"] += 1
-            if msg["at"] == len(route) - 1:
-                await self._reply(coordinator, await asyncio.to_thread(self._finish, msg, x, z))
+            if last:
+                await self._reply(coordinator, result)
             else:
-                nxt = route[msg["at"] + 1]
-                failed = nxt.node
-                await self._deliver(nxt, {**msg, "at": msg["at"] + 1}, z)
+                failed = route[at + 1].node
+                await self._deliver(route[at + 1], {**msg, "at": at + 1}, result)
         except (ValueError, PeerGone, ProtocolError, RuntimeError) as exc:
             self.counters["failed_hops"] += 1
             log.warning("hop of session %s failed: %s", str(msg.get("session"))[:8], exc)
             await self._reply(coordinator, {"t": "hop_error", "session": msg["session"], "traversal": msg["traversal"],
                                             "node": failed, "message": str(exc)})
 
-    def _check_hop(self, msg: dict, route: list[Hop], z: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The clean context and the noisy tensor of a hop, or ValueError if the hop is not for us."""
-        at, context, d = msg["at"], self.cfg.model.context, self.cfg.model.d_model
-        if at >= len(route) or route[at].node != self.node.id or (route[at].first, route[at].last) != (
-                self.first, self.last):
-            raise ValueError("the route names blocks this node does not serve")
-        if msg.get("model") != self.model_id:
-            raise ValueError("the request is for another model than the one this node serves")
-        n, start, ctx = msg["n_noisy"], msg["start"], msg["ctx"]
-        if not (1 <= len(ctx) <= context and 1 <= n and start + n <= context and 1 <= msg["chunk"] <= n
-                and start <= len(ctx) - 1):
-            raise ValueError(f"context of {len(ctx)} bytes, {n} noisy from position {start}: outside the "
-                             f"model's window of {context}")
-        if "targets" in msg and len(msg["targets"]) != n:
-            raise ValueError("targets must have one byte per noisy position")
-        x = torch.tensor(list(ctx), dtype=torch.long)[None, :]
-        if z is None:
-            if at != 0:
-                raise ValueError("only the first hop starts from noise")
-            noise_gen, _ = traversal_generators(msg["seed"], msg["traversal"], self.device)
-            z = self.grid[0].item() * gaussian((1, n, d), noise_gen, self.device)
-        elif z.dtype != torch.float32 or tuple(z.shape) != (1, n, d) or not torch.isfinite(z).all():
-            raise ValueError(f"the noisy tensor must be finite float32 (1, {n}, {d})")
-        return x, z
+    def _compute(self, msg: dict, z: torch.Tensor | None, last: bool) -> dict | torch.Tensor:
+        """This node's part of a traversal (in a worker thread): the tensor to pass on, or the hop_done."""
+        raise NotImplementedError
 
-    def _finish(self, msg: dict, x: torch.Tensor, z: torch.Tensor) -> dict:
-        """The last hop: logits at sigma_min, then the sampled bytes or the NLL of the targets."""
-        sigma_min = torch.full((1,), self.cfg.noise.sigma_min)
-        with torch.no_grad():
-            logits = self.blocks[self.last](x, z, sigma_min, msg["start"], msg["chunk"]).float()[0]  # (n, V)
+    def _done(self, msg: dict, logits: torch.Tensor) -> dict:
+        """hop_done from the final logits (n, V): the NLL of the targets, or the sampled bytes."""
         done = {"t": "hop_done", "session": msg["session"], "traversal": msg["traversal"], "data": b"",
                 "nll": 0.0, "count": 0}
         if "targets" in msg:
+            if len(msg["targets"]) != logits.shape[0]:
+                raise ValueError("targets must have one byte per position scored")
             y = torch.tensor(list(msg["targets"]), dtype=torch.long)
             done.update(nll=fn.cross_entropy(logits, y, reduction="sum").item(), count=len(msg["targets"]))
         else:
             _, sample_gen = traversal_generators(msg["seed"], msg["traversal"], self.device)
             done["data"] = bytes(sample(logits, msg["temperature"], sample_gen).tolist())
         return done
+
+    def _context(self, msg: dict) -> torch.Tensor:
+        if not 1 <= len(msg["ctx"]) <= self.cfg.model.context:
+            raise ValueError(f"a context of {len(msg['ctx'])} bytes is outside the window of {self.cfg.model.context}")
+        return torch.tensor(list(msg["ctx"]), dtype=torch.long)[None, :]
+
+
+class BlockServer(PipelineServer):
+    """Serves consecutive BlockTrain blocks: each hop runs their Euler steps on the noisy tensor."""
+
+    kind = "blocktrain"
+
+    def __init__(self, node: Node, folder: str | Path, first: int, last: int, hop_timeout: float = 10.0,
+                 retries: int = 2) -> None:
+        entries = [checkpoint.load(folder, checkpoint.block_name(b)) for b in range(first, last + 1)]
+        cfg = entries[0].config
+        for entry in entries[1:]:
+            checkpoint.require_same_model(entry, cfg, folder, f"block {first}")
+        if cfg.model.layout != "concat":
+            raise ValueError("serving needs a concat-layout model (chunks of K bytes per traversal)")
+        if cfg.noise.churn > 0:
+            raise ValueError("serving runs the deterministic sampler; this model's noise config has churn > 0")
+        # which model this is (not which weights: holders of a block may be a round apart)
+        model_id = hashlib.sha256(repr((self.kind, cfg.model, cfg.noise)).encode()).hexdigest()[:16]
+        super().__init__(node, cfg, first, last, model_id, hop_timeout, retries)
+        self.blocks = {b: block_from(e, cfg, self.device) for b, e in zip(range(first, last + 1), entries, strict=True)}
+        self.codebook = make_codebook(cfg.model).to(self.device)
+        self.grid = sigma_grid(cfg.noise, cfg.model.n_blocks)
+
+    async def _generate(self, conn: Connection, msg: dict) -> None:
+        context = self.cfg.model.context
+        if msg["mode"] not in ("ar", "sweep"):
+            raise ValueError(f"mode must be ar or sweep, got {msg['mode']!r}")
+        if len(msg["prompt"]) > MAX_PROMPT or not 0 < msg["n_bytes"] <= MAX_GENERATE:
+            raise ValueError(f"prompt up to {MAX_PROMPT} bytes and 1 to {MAX_GENERATE} bytes to generate")
+        chunk = 1 if msg["mode"] == "ar" else msg["k"]
+        if not 1 <= chunk <= context - 1 or msg["temperature"] < 0:
+            raise ValueError(f"k must be in [1, {context - 1}] and temperature >= 0")
+        session = os.urandom(8).hex()
+        out = bytearray(msg["prompt"] or b"\n")
+        produced, traversal, exclude, route = 0, 0, set(), None
+        while produced < msg["n_bytes"]:
+            k = min(chunk, msg["n_bytes"] - produced)
+            ctx = next_window(out, k, context)
+            fields = {"ctx": ctx, "start": len(ctx) - 1, "n_noisy": k, "chunk": k,
+                      "temperature": float(msg["temperature"]), "seed": msg["seed"]}
+            done, route = await self.traverse(session, traversal, msg["route"], exclude, fields)
+            out.extend(done["data"])
+            produced += k
+            traversal += 1
+            await conn.send({"t": "gen_bytes", "re": msg["id"], "data": done["data"]})
+        await conn.send({"t": "gen_done", "re": msg["id"], "bytes": produced, "traversals": traversal,
+                         "route": [h.to_wire() for h in route]})
+
+    async def _score(self, conn: Connection, msg: dict) -> None:
+        text, context = msg["text"], self.cfg.model.context
+        if not context + 1 <= len(text) <= MAX_TEXT:
+            raise ValueError(f"text must be {context + 1} to {MAX_TEXT} bytes")
+        if not 1 <= msg["chunk"] <= context:
+            raise ValueError(f"chunk must be in [1, {context}]")
+        session, exclude, route = os.urandom(8).hex(), set(), None
+        nll, count, windows = 0.0, 0, 0
+        for i in range(0, len(text) - context, context):  # one traversal per window of context + 1 bytes
+            window = text[i : i + context + 1]
+            fields = {"ctx": window[:-1], "start": 0, "n_noisy": len(window) - 1, "chunk": msg["chunk"],
+                      "temperature": 0.0, "seed": msg["seed"], "targets": window[1:]}
+            done, route = await self.traverse(session, windows, msg["route"], exclude, fields)
+            nll, count, windows = nll + done["nll"], count + done["count"], windows + 1
+        await conn.send({"t": "score_reply", "re": msg["id"], "nll": nll, "count": count, "windows": windows,
+                         "route": [h.to_wire() for h in route]})
+
+    @torch.no_grad()
+    def _compute(self, msg: dict, z: torch.Tensor | None, last: bool) -> dict | torch.Tensor:
+        """Start from noise on the first hop, run this node's Euler steps, read off on the last."""
+        n, start, d = msg["n_noisy"], msg["start"], self.cfg.model.d_model
+        x = self._context(msg)
+        if not (1 <= n and start + n <= self.cfg.model.context and 1 <= msg["chunk"] <= n
+                and start <= x.shape[1] - 1):
+            raise ValueError(f"{n} noisy bytes from position {start} do not fit the window of {self.cfg.model.context}")
+        if z is None:
+            if msg["at"] != 0:
+                raise ValueError("only the first hop starts from noise")
+            noise_gen, _ = traversal_generators(msg["seed"], msg["traversal"], self.device)
+            z = self.grid[0].item() * gaussian((1, n, d), noise_gen, self.device)
+        elif z.dtype != torch.float32 or tuple(z.shape) != (1, n, d) or not torch.isfinite(z).all():
+            raise ValueError(f"the noisy tensor must be finite float32 (1, {n}, {d})")
+        spb = self.cfg.noise.steps_per_block
+        steps = range(self.first * spb, (self.last + 1) * spb)
+        z = euler_steps(self.blocks, self.cfg.noise, self.grid, self.codebook, x, z, steps, None, start, msg["chunk"])
+        if not last:
+            return z
+        sigma_min = torch.full((1,), self.cfg.noise.sigma_min)
+        return self._done(msg, self.blocks[self.last](x, z, sigma_min, start, msg["chunk"]).float()[0])
+
+
+class ReferenceServer(PipelineServer):
+    """Serves the end-to-end reference's layers for the blocks' share of depth: the plain
+    autoregressive pipeline BlockTrain is compared with. Each hop passes on the hidden states of
+    the positions new to the session; every node keeps the session's keys and values (KV cache)."""
+
+    kind = "reference"
+
+    def __init__(self, node: Node, folder: str | Path, first: int, last: int, hop_timeout: float = 10.0,
+                 retries: int = 2, cache_mb: float = 256.0, session_ttl: float = 300.0) -> None:
+        entry = checkpoint.load(folder, checkpoint.REFERENCE)
+        cfg = entry.config
+        model_id = hashlib.sha256(repr((self.kind, cfg.model)).encode()).hexdigest()[:16]
+        super().__init__(node, cfg, first, last, model_id, hop_timeout, retries)
+        _, self.model = load_reference(folder, self.device)
+        per_block = cfg.model.layers_per_block
+        self.layers = list(self.model.layers)[first * per_block : (last + 1) * per_block]
+        self.sessions = SessionCache(int(cache_mb * 2**20), session_ttl)
+
+    def status(self) -> dict:
+        return {**super().status(), "sessions": len(self.sessions), "cache_bytes": self.sessions.nbytes}
+
+    async def _generate(self, conn: Connection, msg: dict) -> None:
+        """Autoregressive only: one byte per traversal, the session's positions cached on every node.
+
+        When the window is full the session restarts on its last half (a new session id), so
+        positions stay within the model's context.
+        """
+        context = self.cfg.model.context
+        if msg["mode"] != "ar" or len(msg["prompt"]) > MAX_PROMPT or not 0 < msg["n_bytes"] <= MAX_GENERATE:
+            raise ValueError(f"a reference pipeline generates in mode ar, up to {MAX_GENERATE} bytes")
+        out = bytearray(msg["prompt"] or b"\n")
+        session, sent, exclude, route = os.urandom(8).hex(), 0, set(), None
+        out_start = max(0, len(out) - context // 2)  # the session's position 0 in `out`
+        for traversal in range(msg["n_bytes"]):
+            if len(out) - out_start > context:  # the window is full: restart on its last half
+                session, sent, out_start = os.urandom(8).hex(), 0, len(out) - context // 2
+            new = bytes(out[out_start + sent :])
+            fields = {"ctx": new, "start": sent, "n_noisy": len(new), "chunk": 1,
+                      "temperature": float(msg["temperature"]), "seed": msg["seed"]}
+            done, route = await self.traverse(session, traversal, msg["route"], exclude, fields)
+            sent += len(new)
+            out.extend(done["data"])
+            await conn.send({"t": "gen_bytes", "re": msg["id"], "data": done["data"]})
+        await conn.send({"t": "gen_done", "re": msg["id"], "bytes": msg["n_bytes"], "traversals": msg["n_bytes"],
+                         "route": [h.to_wire() for h in route]})
+
+    async def _score(self, conn: Connection, msg: dict) -> None:
+        raise ValueError("a reference pipeline only generates; score with `spheroid eval` on its checkpoint")
+
+    @torch.no_grad()
+    def _compute(self, msg: dict, z: torch.Tensor | None, last: bool) -> dict | torch.Tensor:
+        n, start, d = msg["n_noisy"], msg["start"], self.cfg.model.d_model
+        caches = self.sessions.get(msg["session"], len(self.layers))
+        if caches[0].k is not None and caches[0].k.shape[2] != start:
+            self.sessions.drop(msg["session"])  # out of step (a retried traversal): fail, the route is retried
+            raise ValueError(f"session {msg['session'][:8]} holds {caches[0].k.shape[2]} positions, not {start}")
+        if msg["at"] == 0:
+            x = self._context(msg)
+            h = self.model.embed(x, start)
+        elif z is None or z.dtype != torch.float32 or tuple(z.shape) != (1, n, d) or not torch.isfinite(z).all():
+            raise ValueError(f"hidden states must be finite float32 (1, {n}, {d})")
+        else:
+            h = z
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h = layer(h, None, None, cache)
+        if not last:
+            return h
+        return self._done(msg, self.model.head(self.model.norm(h[0, -1:])).float())

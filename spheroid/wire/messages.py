@@ -20,7 +20,8 @@ VERSION = 1
 SCHEMAS: dict[str, dict[str, str]] = {
     # handshake: both sides send hello first; with a swarm secret, both then send auth
     "hello": {"version": "uint", "swarm": "str", "node": "str", "addr": "str", "role": "str",
-              "blocks": "list", "nonce": "bin", "auth": "bool", "boot": "bin", "serves": "list?"},
+              "blocks": "list", "nonce": "bin", "auth": "bool", "boot": "bin", "serves": "list?",
+              "model": "str?"},
     "auth": {"mac": "bin"},
     # liveness and RTT
     "ping": {"ts": "float"},
