@@ -98,6 +98,21 @@ VALID = {
     "state_get": {"t": "state_get", "id": 23, "block": 2},
     "state_reply": {"t": "state_reply", "id": 24, "re": 23, "block": 2, "round": 7, "samples": 1792,
                     "hash": "ab" * 32, "stream": 6, "config": {"model": {"d_model": 32}}},
+    "generate": {"t": "generate", "id": 25, "prompt": {"$bin": "54686520"}, "n_bytes": 64, "mode": "sweep", "k": 64,
+                 "temperature": 0.8, "seed": 1, "route": []},
+    "gen_bytes": {"t": "gen_bytes", "id": 26, "re": 25, "data": {"$bin": "746f776572"}},
+    "gen_done": {"t": "gen_done", "id": 27, "re": 25, "bytes": 64, "traversals": 1,
+                 "route": [["0f" * 16, "10.0.0.1:7400", 0, 3]]},
+    "score": {"t": "score", "id": 28, "text": {"$bin": "736f6d652074657874"}, "chunk": 1, "seed": 0, "route": []},
+    "score_reply": {"t": "score_reply", "id": 29, "re": 28, "nll": 12.5, "count": 8, "windows": 1, "route": []},
+    "hop": {"t": "hop", "id": 30, "session": "5e55", "traversal": 3, "at": 1, "model": "0123456789abcdef",
+            "route": [["0a" * 16, "10.0.0.1:7400", 0, 1], ["0b" * 16, "10.0.0.2:7400", 2, 3]],
+            "coordinator": ["0a" * 16, "10.0.0.1:7400", 0, 0], "ctx": {"$bin": "546865"}, "start": 2, "n_noisy": 1,
+            "chunk": 1, "temperature": 0.8, "seed": 1, "z": 7},
+    "hop_done": {"t": "hop_done", "id": 31, "session": "5e55", "traversal": 3, "data": {"$bin": "21"}, "nll": 0.0,
+                 "count": 0},
+    "hop_error": {"t": "hop_error", "id": 32, "session": "5e55", "traversal": 3, "node": "0b" * 16,
+                  "message": "cannot reach 0b0b0b0b"},
 }
 
 INVALID = {

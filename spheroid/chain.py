@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as fn
 
 from .config import NoiseConfig
-from .model import DiffusionBlock
+from .model import DiffusionBlock, KVCache
 from .noise import band, sigma_grid
 
 
@@ -62,11 +62,13 @@ def euler_steps(
     generator: torch.Generator | None = None,
     start: int = 0,
     chunk: int | None = None,
+    caches: dict[int, list[KVCache]] | None = None,
 ) -> torch.Tensor:
     """Grid steps `steps` of the chain on z, each by the block that owns it (blocks: index -> block).
 
     A serving node holding some of the blocks runs its share of the steps with this, so a pipeline
-    of nodes computes exactly what `chain_state` computes on one machine.
+    of nodes computes exactly what `chain_state` computes on one machine; `caches` (per block) keep
+    the clean stream of a session between calls.
     """
     b, levels = z.shape[0], grid.tolist()
     for i in steps:
@@ -76,7 +78,8 @@ def euler_steps(
             z = z + (sigma_hat**2 - sigma**2) ** 0.5 * gaussian(tuple(z.shape), generator, codebook.device)
             sigma = sigma_hat
         block = blocks[i // noise.steps_per_block]
-        logits = block(x, z, torch.full((b,), sigma, device=x.device), start, chunk)
+        cache = caches.get(i // noise.steps_per_block) if caches else None
+        logits = block(x, z, torch.full((b,), sigma, device=x.device), start, chunk, cache)
         d_hat = fn.softmax(logits.float(), dim=-1) @ codebook  # expected clean embedding
         z = z + (levels[i + 1] - sigma) * (z - d_hat) / sigma
     return z

@@ -380,7 +380,7 @@ def tls_options(func):
 @click.option("--hop-timeout", type=float, default=10.0, show_default=True,
               help="Seconds a coordinated traversal may take before it is re-routed.")
 @click.option("--cache-mb", type=float, default=256.0, show_default=True,
-              help="Memory for sessions' cached keys and values (the reference pipeline).")
+              help="Memory for sessions' cached keys and values (clean context; the reference's layers).")
 @click.option("--session-ttl", type=float, default=300.0, show_default=True,
               help="Seconds an idle session's cache is kept.")
 @click.option("--threads", type=int, default=1, show_default=True, help="torch threads for training and serving.")
@@ -409,7 +409,8 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
             ReferenceServer(member, serve_from, *served, hop_timeout=hop_timeout, cache_mb=cache_mb,
                             session_ttl=session_ttl)
         elif served:
-            BlockServer(member, serve_from, *served, hop_timeout=hop_timeout)
+            BlockServer(member, serve_from, *served, hop_timeout=hop_timeout, cache_mb=cache_mb,
+                        session_ttl=session_ttl)
         work = None
         if block is not None:
             overrides["train__block_input"] = overrides.get("train__block_input") or "noised"

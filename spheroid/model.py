@@ -99,11 +99,16 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
 
-    def forward(self, h: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None, cache: KVCache | None = None,
+                memory: KVCache | None = None) -> torch.Tensor:
+        """`cache`: earlier positions' keys and values, which these positions join; `memory`: keys and
+        values read but not extended (the clean stream, for noisy tokens), placed before these."""
         b, s, d = h.shape
         q, k, v = self.qkv(h).view(b, s, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         if cache is not None:  # these s positions follow the ones in the cache
             k, v = cache.extend(k, v)
+        if memory is not None:
+            k, v = torch.cat([memory.k, k], dim=2), torch.cat([memory.v, v], dim=2)
         seen = k.shape[2] - s
         if mask is None and seen == 0:  # plain causal
             out = fn.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -129,15 +134,15 @@ class Layer(nn.Module):
 
     def forward(
         self, h: torch.Tensor, mask: torch.Tensor | None, cond: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | None = None, memory: KVCache | None = None,
     ) -> torch.Tensor:
         if self.ada is None:
-            h = h + self.attn(self.norm1(h), mask, cache)
+            h = h + self.attn(self.norm1(h), mask, cache, memory)
             return h + self.mlp(self.norm2(h))
         # cond: (B, S, d) one condition per token, or (B, 1, d) one per sequence -> shift, scale and
         # gate for both sublayers
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(fn.silu(cond)).chunk(6, dim=-1)
-        h = h + gate1 * self.attn(self.norm1(h) * (1 + scale1) + shift1, mask)
+        h = h + gate1 * self.attn(self.norm1(h) * (1 + scale1) + shift1, mask, cache, memory)
         return h + gate2 * self.mlp(self.norm2(h) * (1 + scale2) + shift2)
 
 
@@ -180,7 +185,8 @@ class BlockNet(nn.Module):
         self.layout = cfg.layout
 
     def forward(
-        self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int, chunk: int
+        self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int, chunk: int,
+        cache: list[KVCache] | None = None,
     ) -> torch.Tensor:
         b, n_clean = x.shape
         n_noisy = z_in.shape[1]
@@ -188,6 +194,8 @@ class BlockNet(nn.Module):
             raise ValueError(f"positions up to {start + n_noisy} exceed the context of {self.pos_emb.shape[0]}")
         if self.layout == "merged":
             return self.forward_merged(z_in, c_noise, x, start, chunk)
+        if cache is not None:
+            return self.forward_cached(z_in, c_noise, x, start, chunk, cache)
         clean = self.tok_emb(x) + self.pos_emb[:n_clean]  # (B, L, d)
         # each noisy token also carries the last clean byte its chunk may see (its anchor), so the
         # nearest context is at hand from the first step instead of having to be found by attention
@@ -202,6 +210,29 @@ class BlockNet(nn.Module):
         for layer in self.layers:
             h = layer(h, mask, cond)
         return self.readout(h[:, n_clean:], cond[:, n_clean:])  # (B, N, d)
+
+    def forward_cached(self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int, chunk: int,
+                       cache: list[KVCache]) -> torch.Tensor:
+        """`forward` for serving: the clean stream's keys and values per layer are kept in `cache`.
+
+        The clean stream does not depend on the noise, so it is computed once for the bytes the
+        cache has not seen (one new byte per traversal in autoregressive decoding) and read by the
+        noisy tokens of every later call. The cache must hold a prefix of x.
+        """
+        b, n_clean = x.shape
+        seen = 0 if cache[0].k is None else cache[0].k.shape[2]
+        n_noisy = z_in.shape[1]
+        clean = self.tok_emb(x[:, seen:]) + self.pos_emb[seen:n_clean]  # (B, new, d)
+        anchor = start + (torch.arange(n_noisy, device=x.device) // chunk) * chunk
+        noisy = self.noisy_in(z_in) + self.tok_emb(x[:, anchor]) + self.pos_emb[start : start + n_noisy]
+        clean_cond = self.clean_cond.expand(b, 1, -1)
+        noisy_cond = self.noise_emb(c_noise)[:, None, :]  # (B, 1, d)
+        mask = cached_mask(n_clean, n_noisy, start, chunk, x.device)[n_clean:]  # noisy rows: (N, L + N)
+        for layer, kv in zip(self.layers, cache, strict=True):
+            if clean.shape[1]:
+                clean = layer(clean, None, clean_cond, cache=kv)
+            noisy = layer(noisy, mask, noisy_cond, memory=kv)
+        return self.readout(noisy, noisy_cond)
 
     def forward_merged(self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int,
                        chunk: int) -> torch.Tensor:
@@ -253,12 +284,15 @@ class DiffusionBlock(nn.Module):
         return c_skip, c_out, c_in, c_noise
 
     def forward(
-        self, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, start: int = 0, chunk: int | None = None
+        self, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, start: int = 0, chunk: int | None = None,
+        cache: list[KVCache] | None = None,
     ) -> torch.Tensor:
-        """x: (B, L) clean bytes; z: (B, N, d) noisy targets; sigma: (B,). Returns logits (B, N, V)."""
+        """x: (B, L) clean bytes; z: (B, N, d) noisy targets; sigma: (B,). Returns logits (B, N, V).
+
+        `cache` (serving): one KVCache per layer holding the clean stream of a prefix of x."""
         c_skip, c_out, c_in, c_noise = self.coefficients(sigma.float(), self.sigma_data, self.cfg.edm_skip)
         c_skip, c_out, c_in = (c[:, None, None] for c in (c_skip, c_out, c_in))
-        f = self.net(c_in * z, c_noise, x, start, chunk or self.cfg.chunk)
+        f = self.net(c_in * z, c_noise, x, start, chunk or self.cfg.chunk, cache)
         return self.head(self.head_norm(c_skip * z + c_out * f))
 
 

@@ -7,7 +7,7 @@ from spheroid import checkpoint
 from spheroid.chain import denoise, generate, score, score_bound
 from spheroid.checkpoint import CheckpointError
 from spheroid.config import ModelConfig, RunConfig, override
-from spheroid.model import DiffusionBlock, Reference, attention_mask, make_codebook
+from spheroid.model import DiffusionBlock, KVCache, Reference, attention_mask, make_codebook
 from spheroid.train import block_loss, make_optimizer, train_block, train_step, write_genesis_codebook
 
 from .conftest import randomize
@@ -205,3 +205,31 @@ def test_genesis_codebook_from_a_reference(tiny, tmp_path):
         make_codebook(override(cfg, codebook_sha256="0" * 64))
     with pytest.raises(ValueError, match="needs both"):
         override(tiny.model, codebook_file="x")
+
+
+def test_kv_cached_reference_matches_the_full_forward(tiny):
+    model = randomize(Reference(tiny.model)).eval()
+    x = torch.randint(0, 256, (1, 14))
+    full = model(x)
+    caches = [KVCache() for _ in model.layers]
+    outs = []
+    for lo, hi in ((0, 9), (9, 10), (10, 14)):  # a prompt, one byte, then a few at once
+        h = model.embed(x[:, lo:hi], lo)
+        for layer, cache in zip(model.layers, caches, strict=True):
+            h = layer(h, None, None, cache)
+        outs.append(model.head(model.norm(h)))
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=1e-5)
+    assert caches[0].nbytes == 2 * 14 * tiny.model.d_model * 4
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_cached_clean_stream_gives_the_logits_of_the_full_forward(tiny, chunk):
+    cfg = override(tiny.model, layers_per_block=2, context=32)
+    block = randomize(DiffusionBlock(cfg, 0.5)).eval()
+    x, z, sigma = torch.randint(0, 256, (1, 20)), torch.randn(1, chunk, cfg.d_model), torch.tensor([2.0])
+    full = block(x, z, sigma, 19, chunk)
+    cache = [KVCache() for _ in range(2)]
+    block(x[:, :12], torch.randn(1, chunk, cfg.d_model), sigma, 11, chunk, cache)  # a shorter window first
+    torch.testing.assert_close(block(x, z, sigma, 19, chunk, cache), full, rtol=0, atol=1e-5)
+    assert cache[0].k.shape[2] == 20  # it grew by the new bytes only
+    torch.testing.assert_close(block(x, z, sigma, 19, chunk, cache), full, rtol=0, atol=1e-5)  # and reads

@@ -46,10 +46,10 @@ def test_route_prefers_low_rtt_and_avoids_excluded_nodes():
 def model_dir(tmp_path_factory, data_dir):
     """Four tiny blocks, trained for a few steps (what they say does not matter; that it is exact does)."""
     folder = tmp_path_factory.mktemp("served")
-    for block in range(4):
-        subprocess.run([sys.executable, "-m", "spheroid", "-q", "train", "--block", str(block), "--steps", "5",
-                        "--d-model", "32", "--n-heads", "2", "--layers-per-block", "1", "--context", "32",
-                        "--batch", "4", "--block-input", "noised", "--data", str(data_dir), "--out", str(folder)],
+    for job in [["--block", str(b)] for b in range(4)] + [["--reference"]]:
+        subprocess.run([sys.executable, "-m", "spheroid", "-q", "train", *job, "--steps", "5", "--d-model", "32",
+                        "--n-heads", "2", "--layers-per-block", "1", "--context", "32", "--batch", "4",
+                        "--block-input", "noised", "--data", str(data_dir), "--out", str(folder)],
                        check=True, timeout=120)
     return folder
 
@@ -98,6 +98,7 @@ def test_three_node_pipeline_gives_the_bytes_of_local_generation(servers, model_
                                                          "route": []}))
     assert reply["windows"] == 5 and reply["count"] == 5 * 32 and 0 < reply["nll"] / reply["count"] < 10
     assert tail.status()["serving"]["hops"] >= 3 + 24 + 5
+    assert tail.status()["serving"]["sessions"] >= 1 and tail.status()["serving"]["cache_bytes"] > 0
 
 
 def test_sixteen_concurrent_sessions_complete_with_the_right_lengths(servers):
@@ -159,3 +160,41 @@ def test_malformed_hops_and_oversized_frames_leave_the_pipeline_serving(servers)
     got = handshake_then(head.addr, b"\xff\xff\xff\xff" + b"x" * 64)  # a frame header claiming 4 GiB
     assert got[-1]["t"] == "error" and got[-1]["code"] == "too_large"
     assert len(ask(head.addr)["data"]) == 24
+
+
+def test_session_cache_is_bounded_and_expires():
+    from spheroid.node.serving import SessionCache
+
+    cache = SessionCache(max_bytes=3 * 2 * 4 * 8, ttl=60.0)  # room for three sessions of one position
+    for name in "abcd":
+        (kv,) = cache.get(name, 1).caches
+        kv.extend(torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
+        cache.get(name, 1)  # re-checks the budget with the new bytes in
+    assert len(cache) == 3 and cache.nbytes <= 3 * 64  # the least recently used went
+    cache.ttl = 0.0
+    time.sleep(0.01)
+    cache.get("e", 1)
+    assert len(cache) == 1  # the idle ones expired
+
+
+def test_reference_pipeline_matches_the_reference_run_locally(servers, model_dir):
+    """The AR baseline: KV-cached hops give the bytes of full recomputation over the same windows."""
+    from spheroid.chain import sample, traversal_generators
+    from spheroid.train import load_reference
+
+    head = servers("rhead", "0-1", None, "--serve-reference")
+    rest = [servers("rmid", "2", head, "--serve-reference"), servers("rtail", "3", head, "--serve-reference")]
+    wait_until(lambda: all(len(n.status()["peers"]) == 2 for n in (head, *rest)), 60, "full membership")
+    got = ask(head.addr, mode="ar", k=1, n_bytes=40, prompt=b"The tower ")  # longer than the 32-byte window
+    cfg, model = load_reference(model_dir, torch.device("cpu"))
+    out, context = bytearray(b"The tower "), cfg.model.context
+    start = max(0, len(out) - context // 2)
+    for traversal in range(40):
+        if len(out) - start > context:
+            start = len(out) - context // 2
+        logits = model(torch.tensor(list(out[start:]))[None, :])[0, -1:]
+        out.extend(sample(logits, 0.8, traversal_generators(5, traversal, torch.device("cpu"))[1]).tolist())
+    assert got["data"] == bytes(out[len(b"The tower "):])
+    assert rest[1].status()["serving"]["sessions"] >= 1
+    with pytest.raises(PeerGone, match="generates in mode ar"):
+        ask(head.addr, mode="sweep")

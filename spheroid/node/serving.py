@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,8 +54,25 @@ class HopFailed(Exception):
         self.node = node
 
 
+@dataclass
+class Session:
+    """What a serving node keeps of one session between traversals: keys and values per layer,
+    and the bytes they were computed from."""
+
+    caches: list[KVCache]
+    tokens: bytes = b""
+    used: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.caches)
+
+    def reset(self) -> None:
+        self.caches, self.tokens = [KVCache() for _ in self.caches], b""
+
+
 class SessionCache:
-    """Per-session state a serving node keeps between traversals (KV caches), bounded and expiring.
+    """Sessions of a serving node, bounded and expiring.
 
     Least recently used sessions go first when the bytes held pass `max_bytes`; a session unused
     for `ttl` seconds is dropped at the next access.
@@ -62,25 +80,25 @@ class SessionCache:
 
     def __init__(self, max_bytes: int, ttl: float) -> None:
         self.max_bytes, self.ttl = max_bytes, ttl
-        self._sessions: dict[str, tuple[float, list[KVCache]]] = {}
+        self._sessions: dict[str, Session] = {}
 
-    def get(self, session: str, layers: int) -> list[KVCache]:
+    def get(self, session: str, layers: int) -> Session:
         now = time.monotonic()
-        for key in [k for k, (used, _) in self._sessions.items() if now - used > self.ttl]:
+        for key in [k for k, s in self._sessions.items() if now - s.used > self.ttl]:
             del self._sessions[key]
-        _, caches = self._sessions.pop(session, (now, None))
-        caches = caches or [KVCache() for _ in range(layers)]
-        self._sessions[session] = (now, caches)  # most recently used last
+        found = self._sessions.pop(session, None) or Session([KVCache() for _ in range(layers)])
+        found.used = now
+        self._sessions[session] = found  # most recently used last
         while self.nbytes > self.max_bytes and len(self._sessions) > 1:
             del self._sessions[next(iter(self._sessions))]
-        return caches
+        return found
 
     def drop(self, session: str) -> None:
         self._sessions.pop(session, None)
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for _, caches in self._sessions.values() for c in caches)
+        return sum(s.nbytes for s in self._sessions.values())
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -95,7 +113,7 @@ class PipelineServer:
     kind = ""
 
     def __init__(self, node: Node, cfg: RunConfig, first: int, last: int, model_id: str, hop_timeout: float,
-                 retries: int) -> None:
+                 retries: int, cache_mb: float, session_ttl: float) -> None:
         if last >= cfg.model.n_blocks:
             raise ValueError(f"--serve {first}-{last}: the model has blocks 0..{cfg.model.n_blocks - 1}")
         self.node, self.cfg, self.first, self.last = node, cfg, first, last
@@ -103,6 +121,7 @@ class PipelineServer:
         self.model_id = model_id
         node.serving_model = model_id
         self.hop_timeout, self.retries = hop_timeout, retries
+        self.sessions = SessionCache(int(cache_mb * 2**20), session_ttl)
         self.waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.counters = {"hops": 0, "requests": 0, "traversals": 0, "failed_hops": 0, "reroutes": 0}
         node.handlers.update(hop=self.on_hop, hop_done=self.on_hop_done, hop_error=self.on_hop_error,
@@ -110,8 +129,9 @@ class PipelineServer:
         node.status_parts["serving"] = self.status
 
     def status(self) -> dict:
-        return {"blocks": [self.first, self.last], "n_blocks": self.cfg.model.n_blocks,
-                "context": self.cfg.model.context, "model": self.model_id, **self.counters}
+        return {"blocks": [self.first, self.last], "n_blocks": self.cfg.model.n_blocks, "kind": self.kind,
+                "context": self.cfg.model.context, "model": self.model_id, "sessions": len(self.sessions),
+                "cache_bytes": self.sessions.nbytes, **self.counters}
 
     # --- routes -------------------------------------------------------------------------------------
 
@@ -285,7 +305,7 @@ class BlockServer(PipelineServer):
     kind = "blocktrain"
 
     def __init__(self, node: Node, folder: str | Path, first: int, last: int, hop_timeout: float = 10.0,
-                 retries: int = 2) -> None:
+                 retries: int = 2, cache_mb: float = 256.0, session_ttl: float = 300.0) -> None:
         entries = [checkpoint.load(folder, checkpoint.block_name(b)) for b in range(first, last + 1)]
         cfg = entries[0].config
         for entry in entries[1:]:
@@ -296,7 +316,7 @@ class BlockServer(PipelineServer):
             raise ValueError("serving runs the deterministic sampler; this model's noise config has churn > 0")
         # which model this is (not which weights: holders of a block may be a round apart)
         model_id = hashlib.sha256(repr((self.kind, cfg.model, cfg.noise)).encode()).hexdigest()[:16]
-        super().__init__(node, cfg, first, last, model_id, hop_timeout, retries)
+        super().__init__(node, cfg, first, last, model_id, hop_timeout, retries, cache_mb, session_ttl)
         self.blocks = {b: block_from(e, cfg, self.device) for b, e in zip(range(first, last + 1), entries, strict=True)}
         self.codebook = make_codebook(cfg.model).to(self.device)
         self.grid = sigma_grid(cfg.noise, cfg.model.n_blocks)
@@ -358,13 +378,29 @@ class BlockServer(PipelineServer):
             z = self.grid[0].item() * gaussian((1, n, d), noise_gen, self.device)
         elif z.dtype != torch.float32 or tuple(z.shape) != (1, n, d) or not torch.isfinite(z).all():
             raise ValueError(f"the noisy tensor must be finite float32 (1, {n}, {d})")
+        caches = None if "targets" in msg else self._session_caches(msg["session"], msg["ctx"])
         spb = self.cfg.noise.steps_per_block
         steps = range(self.first * spb, (self.last + 1) * spb)
-        z = euler_steps(self.blocks, self.cfg.noise, self.grid, self.codebook, x, z, steps, None, start, msg["chunk"])
+        z = euler_steps(self.blocks, self.cfg.noise, self.grid, self.codebook, x, z, steps, None, start, msg["chunk"],
+                        caches)
         if not last:
             return z
         sigma_min = torch.full((1,), self.cfg.noise.sigma_min)
-        return self._done(msg, self.blocks[self.last](x, z, sigma_min, start, msg["chunk"]).float()[0])
+        cache = caches[self.last] if caches else None
+        return self._done(msg, self.blocks[self.last](x, z, sigma_min, start, msg["chunk"], cache).float()[0])
+
+    def _session_caches(self, session: str, ctx: bytes) -> dict[int, list[KVCache]]:
+        """This node's blocks' clean-stream caches for a generation session, valid for ctx.
+
+        While the window only grows (the prompt and output fit the context) each traversal adds
+        its new bytes to the cache; once it slides, the cache is rebuilt from the new window.
+        """
+        per_block = self.cfg.model.layers_per_block
+        found = self.sessions.get(session, per_block * len(self.blocks))
+        if not ctx.startswith(found.tokens):
+            found.reset()
+        found.tokens = ctx
+        return {b: found.caches[i * per_block : (i + 1) * per_block] for i, b in enumerate(sorted(self.blocks))}
 
 
 class ReferenceServer(PipelineServer):
@@ -379,14 +415,10 @@ class ReferenceServer(PipelineServer):
         entry = checkpoint.load(folder, checkpoint.REFERENCE)
         cfg = entry.config
         model_id = hashlib.sha256(repr((self.kind, cfg.model)).encode()).hexdigest()[:16]
-        super().__init__(node, cfg, first, last, model_id, hop_timeout, retries)
+        super().__init__(node, cfg, first, last, model_id, hop_timeout, retries, cache_mb, session_ttl)
         _, self.model = load_reference(folder, self.device)
         per_block = cfg.model.layers_per_block
         self.layers = list(self.model.layers)[first * per_block : (last + 1) * per_block]
-        self.sessions = SessionCache(int(cache_mb * 2**20), session_ttl)
-
-    def status(self) -> dict:
-        return {**super().status(), "sessions": len(self.sessions), "cache_bytes": self.sessions.nbytes}
 
     async def _generate(self, conn: Connection, msg: dict) -> None:
         """Autoregressive only: one byte per traversal, the session's positions cached on every node.
@@ -419,7 +451,7 @@ class ReferenceServer(PipelineServer):
     @torch.no_grad()
     def _compute(self, msg: dict, z: torch.Tensor | None, last: bool) -> dict | torch.Tensor:
         n, start, d = msg["n_noisy"], msg["start"], self.cfg.model.d_model
-        caches = self.sessions.get(msg["session"], len(self.layers))
+        caches = self.sessions.get(msg["session"], len(self.layers)).caches
         if caches[0].k is not None and caches[0].k.shape[2] != start:
             self.sessions.drop(msg["session"])  # out of step (a retried traversal): fail, the route is retried
             raise ValueError(f"session {msg['session'][:8]} holds {caches[0].k.shape[2]} positions, not {start}")
