@@ -12,7 +12,8 @@ apart and left out). When a run is over it scores every snapshot: the chain's CE
 one draw (M = 1), on fixed windows of wiki.valid.tokens. Configurations compared:
 
   paper  plain averaging of float32 updates every H = 10 local steps (what the paper reports)
-  best   int8 updates (per-chunk scales) every H = 40 local steps, Nesterov outer step (DiLoCo)
+  best   int8 updates (per-chunk scales, lz4 where it helps) every H = 50 local steps, plain
+         averaging, and 1.5 times the local steps: the best of the variants tried (README)
 
 Writes JSON (--out), a PNG of CE against bytes moved, and prints a table.
 
@@ -44,7 +45,9 @@ log = logging.getLogger("bench.swarm")
 
 CONFIGS: dict[str, list[str]] = {
     "paper": ["--every", "10", "--codec", "fp32", "--outer", "average"],
-    "best": ["--every", "40", "--codec", "int8", "--outer", "nesterov"],
+    # int8 every 50 steps, plain averaging; allowed 1.5x the local steps, since what a wide-area
+    # swarm runs short of is bytes, not steps (the comparison also reads its CE at equal steps)
+    "best": ["--every", "50", "--codec", "int8", "--lz4", "--outer", "average", "--steps-scale", "1.5"],
 }
 PRESETS: dict[str, dict] = {
     # a smoke run for the test suite: seconds of training, numbers meaningless
@@ -63,14 +66,27 @@ def swarm_bytes(members) -> int:
     return sum(m.status["swarm_traffic"]["sent"]["wire_bytes"] for m in members if m.status)
 
 
+def node_flags(preset_flags: list[str], flags: list[str]) -> list[str]:
+    """The preset's flags with a configuration's on top; `--steps-scale F` multiplies the preset's --steps."""
+    flags = list(flags)
+    out = list(preset_flags)
+    if "--steps-scale" in flags:
+        i = flags.index("--steps-scale")
+        scale = float(flags[i + 1])
+        del flags[i : i + 2]
+        j = out.index("--steps")
+        out[j + 1] = str(round(int(out[j + 1]) * scale))
+    return [*out, *flags]
+
+
 def run_config(name: str, flags: list[str], p: dict, spec: LinkSpec, work: Path, data: str | None) -> dict:
     """One swarm run behind the emulator: snapshots of (time, bytes, steps, assembled model)."""
     folder = work / name
     shutil.rmtree(folder, ignore_errors=True)
     snapshots = []
     started = time.monotonic()
-    with Network() as net, LocalSwarm(folder / "nodes", data, [*p["flags"], *flags, "--n-blocks", str(p["blocks"]),
-                                                                "--threads", "1"]) as local:
+    run_flags = [*node_flags(p["flags"], flags), "--n-blocks", str(p["blocks"]), "--threads", "1"]
+    with Network() as net, LocalSwarm(folder / "nodes", data, run_flags) as local:
         seed = None
         ports = iter(free_ports(2 * p["blocks"] * p["replicas"]))  # chosen at once: no two alike
         for block in range(p["blocks"]):
@@ -117,12 +133,21 @@ def compare(runs: dict[str, dict]) -> dict:
     target = runs["paper"]["snapshots"][-1]["ce"]
     paper_bytes = runs["paper"]["snapshots"][-1]["bytes"]
     out = {"paper_final_ce": target, "paper_bytes": paper_bytes, "configs": {}}
+    paper_steps = runs["paper"]["snapshots"][-1]["mean_step"]
     for name, run in runs.items():
         reached = next((s for s in run["snapshots"] if s["ce"] <= target), None)
+        at_paper_steps = min(run["snapshots"], key=lambda s: abs(s["mean_step"] - paper_steps))
         out["configs"][name] = {"final_ce": run["snapshots"][-1]["ce"], "bytes": run["snapshots"][-1]["bytes"],
+                                "steps": run["snapshots"][-1]["mean_step"],
+                                "ce_at_paper_steps": at_paper_steps["ce"], "step_of_that": at_paper_steps["mean_step"],
                                 "bytes_to_reach": reached["bytes"] if reached else None,
+                                "steps_to_reach": reached["mean_step"] if reached else None,
                                 "bytes_ratio": paper_bytes / reached["bytes"] if reached else None}
     return out
+
+
+def paper_label(c: dict) -> str:
+    return f"{c['configs']['paper']['steps']:.0f}"
 
 
 def plot(runs: dict[str, dict], path: Path) -> None:
@@ -190,9 +215,12 @@ def main(argv: list[str] | None = None) -> dict:
     for name, row in c.get("configs", {}).items():
         if name == "paper":
             continue
+        print(f"{name} at about the paper-like run's {paper_label(c)} steps: CE {row['ce_at_paper_steps']:.4f} "
+              f"(step {row['step_of_that']:.0f})")
         if row["bytes_ratio"]:
-            print(f"{name} reached the paper-like final CE {c['paper_final_ce']:.4f} after "
-                  f"{row['bytes_to_reach'] / 2**20:.2f} MiB: {row['bytes_ratio']:.1f}x fewer bytes")
+            print(f"{name} reached the paper-like final CE {c['paper_final_ce']:.4f} at step "
+                  f"{row['steps_to_reach']:.0f} after {row['bytes_to_reach'] / 2**20:.2f} MiB: "
+                  f"{row['bytes_ratio']:.1f}x fewer bytes")
         else:
             print(f"{name} did not reach the paper-like final CE {c['paper_final_ce']:.4f} "
                   f"(its final: {row['final_ce']:.4f})")
