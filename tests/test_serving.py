@@ -198,3 +198,15 @@ def test_reference_pipeline_matches_the_reference_run_locally(servers, model_dir
     assert rest[1].status()["serving"]["sessions"] >= 1
     with pytest.raises(PeerGone, match="generates in mode ar"):
         ask(head.addr, mode="sweep")
+
+
+def test_a_node_that_trains_and_serves_keeps_its_rounds_going(servers, model_dir, data_dir):
+    node = servers("both", "0-3", None, "--block", "0", "--data", str(data_dir), "--steps", "100000", "--every", "5",
+                   "--wait", "1", "--d-model", "32", "--n-heads", "2", "--layers-per-block", "1", "--context", "32",
+                   "--batch", "4", "--out", str(model_dir.parent / "both-ckpt"))
+    wait_until(lambda: node.status()["training"]["round"] >= 2, 60, "training rounds")
+    before = node.status()["training"]["round"]
+    got = ask(node.addr, mode="ar", k=1, n_bytes=30)  # a route of one node: itself
+    assert len(got["data"]) == 30
+    after = node.status()["training"]
+    assert after["round"] > before and all(h["waited_s"] <= 1 + 2.0 for h in after["history"])

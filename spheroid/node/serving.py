@@ -168,9 +168,12 @@ class PipelineServer:
             await work
         except PeerGone:
             log.info("client of request %d went away", msg["id"])
-        except (NoRoute, HopFailed, ValueError) as exc:
-            code = "no_route" if isinstance(exc, NoRoute) else ("hop_failed" if isinstance(exc, HopFailed)
-                                                               else "bad_request")
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, the client hears it and the node goes on
+            if isinstance(exc, (NoRoute, HopFailed, ValueError)):
+                code = {NoRoute: "no_route", HopFailed: "hop_failed"}.get(type(exc), "bad_request")
+            else:
+                log.exception("request %d failed", msg["id"])
+                code = "internal"
             with contextlib.suppress(PeerGone):
                 await conn.send({"t": "error", "re": msg["id"], "code": code, "message": str(exc)})
 
