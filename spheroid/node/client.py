@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from pathlib import Path
 
 from torch.nn.utils import vector_to_parameters
@@ -183,7 +184,15 @@ async def remote_score(addr: str, cfg: NodeConfig, request: dict, secret: bytes 
 
 
 async def _streamed(addr, cfg, secret, message, handle, done, timeout, finish) -> dict:
+    """Send a request whose answer comes as several messages; ping meanwhile, so the node knows we are here."""
     conn = await connect(addr, cfg, secret, handle)
+
+    async def keep_alive() -> None:
+        while True:
+            await asyncio.sleep(cfg.ping_interval)
+            await conn.send({"t": "ping", "ts": time.monotonic()})
+
+    pinger = asyncio.ensure_future(keep_alive())
     try:
         await conn.send(message)
         waiter = asyncio.ensure_future(done)
@@ -194,4 +203,5 @@ async def _streamed(addr, cfg, secret, message, handle, done, timeout, finish) -
             raise PeerGone(f"{addr} closed the connection" if closed in finished else f"no answer within {timeout}s")
         return finish(waiter.result())
     finally:
+        pinger.cancel()
         await conn.close()

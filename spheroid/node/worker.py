@@ -163,7 +163,7 @@ class BlockWorker:
                 await fetch
                 self._adopt_pending()
             self.fresh = False
-        t = self.cfg.train
+        t, sends = self.cfg.train, []
         while self.step < t.steps:
             self._adopt_pending()
             n = min(self.avg.every, t.steps - self.step)
@@ -172,11 +172,11 @@ class BlockWorker:
             self._adopt_pending()
             delta = through_codec(self.params() - self.replica.state.params, CODECS[self.avg.codec], self.compression)
             own = self.replica.submit(delta, (self.step - started) * t.batch, time.monotonic())
-            for conn in self.node.peers_holding(self.block):
-                self.node.spawn(self._send_update(conn, own))
+            sends = [self.node.spawn(self._send_update(conn, own)) for conn in self.node.peers_holding(self.block)]
             await self._finish_round()
         self.done = True
         self.synced = False  # no more rounds from this node: peers must not wait for it
+        await asyncio.gather(*sends, return_exceptions=True)  # (after its last update, not overtaking it)
         await self._announce()
         log.info("block %d: trained %d steps in %d rounds; still serving its state", self.block, self.step,
                  self.replica.counters.rounds)
