@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
     parser.add_argument("--checkpoint", type=Path, default=None,
                         help="a folder with blocks 0-3 and a reference (default: train one into --work)")
+    parser.add_argument("--train-chunk", type=int, default=None,
+                        help="train the model's blocks with the chunk mask of this K (default 1)")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay of every link")
     parser.add_argument("--mbit", type=float, default=100.0, help="bandwidth of every link, per direction")
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"), help="WikiText folder")
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     folder = args.checkpoint or work / "model"
     if args.checkpoint is None:
-        train(folder, p["train"], args.data)
+        train(folder, p["train"] + (["--chunk", str(args.train_chunk)] if args.train_chunk else []), args.data)
     cfg = checkpoint.load(folder, "block-0").config
     n = p["n_bytes"]
     valid = load_bytes(args.data, "valid")

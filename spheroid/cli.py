@@ -103,6 +103,8 @@ def run_config_options(func):
         click.option("--n-blocks", "model__n_blocks", type=int,
                      help="Blocks of the model (for --reference: depth is n_blocks x layers_per_block)."),
         click.option("--context", "model__context", type=int),
+        click.option("--chunk", "model__chunk", type=int,
+                     help="K: the chunk of the attention mask blocks train with (1 = next byte; K > 1 for sweeps)."),
         click.option("--codebook-seed", "model__codebook_seed", type=int),
         click.option("--codebook-norm", "model__codebook_norm", type=float),
         click.option("--codebook-file", "model__codebook_file", help="Genesis codebook (from `spheroid codebook`)."),

@@ -146,13 +146,13 @@ async def remote_generate(addr: str, cfg: NodeConfig, request: dict, on_bytes=No
 
     Returns the final gen_done message with "data" (all the bytes) added; PeerGone on an error reply.
     """
-    request = {"id": 1, **request}
+    message = {"t": "generate", **request}  # its id is set once connected
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
     chunks: list[bytes] = []
 
     async def handle(_conn: Connection, msg: dict) -> None:
-        if msg.get("re") != request["id"] or done.done():
+        if msg.get("re") != message.get("id") or done.done():
             return
         if msg["t"] == "gen_bytes":
             chunks.append(msg["data"])
@@ -163,24 +163,24 @@ async def remote_generate(addr: str, cfg: NodeConfig, request: dict, on_bytes=No
         elif msg["t"] == "error":
             done.set_exception(PeerGone(f"{addr} answered {msg['code']}: {msg['message']}"))
 
-    return await _streamed(addr, cfg, secret, {"t": "generate", **request}, handle, done, timeout,
+    return await _streamed(addr, cfg, secret, message, handle, done, timeout,
                            lambda result: {**result, "data": b"".join(chunks)})
 
 
 async def remote_score(addr: str, cfg: NodeConfig, request: dict, secret: bytes | None = None,
                        timeout: float = 600.0) -> dict:
     """CE of a text through the pipeline that the serving node at addr coordinates: its score_reply."""
-    request = {"id": 1, **request}
+    message = {"t": "score", **request}
     done: asyncio.Future = asyncio.get_running_loop().create_future()
 
     async def handle(_conn: Connection, msg: dict) -> None:
-        if msg.get("re") == request["id"] and not done.done():
+        if msg.get("re") == message.get("id") and not done.done():
             if msg["t"] == "error":
                 done.set_exception(PeerGone(f"{addr} answered {msg['code']}: {msg['message']}"))
             else:
                 done.set_result(msg)
 
-    return await _streamed(addr, cfg, secret, {"t": "score", **request}, handle, done, timeout, lambda r: r)
+    return await _streamed(addr, cfg, secret, message, handle, done, timeout, lambda r: r)
 
 
 async def _streamed(addr, cfg, secret, message, handle, done, timeout, finish) -> dict:
@@ -194,6 +194,7 @@ async def _streamed(addr, cfg, secret, message, handle, done, timeout, finish) -
 
     pinger = asyncio.ensure_future(keep_alive())
     try:
+        message["id"] = conn.next_id()
         await conn.send(message)
         waiter = asyncio.ensure_future(done)
         closed = conn.reader_task
