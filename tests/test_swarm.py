@@ -82,13 +82,14 @@ def test_slow_peer_misses_the_deadline_and_the_others_keep_time(swarm):
     flags = ["--every", "5", "--wait", "1"]
     a = swarm("a", 0, *flags, "--steps", "60")
     b = swarm("b", 0, *flags, "--steps", "60", seed=a)
-    slow = swarm("slow", 0, *flags, "--steps", "10000", "--batch", "512", seed=a)  # same model, 64x the work
+    slow = swarm("slow", 0, *flags, "--steps", "10000", "--batch", "2048", seed=a)  # same model, 256x the work
     states = wait_until(lambda: [s for s in (training(a), training(b)) if s["done"]] or None, 180,
                         "the fast replicas to finish")
     for s in states:
         assert s["step"] == 60 and s["round"] >= 6
         assert all(h["waited_s"] <= 1 + MARGIN for h in s["history"])
-    assert any(h["updates"] == 2 for s in (training(a), training(b)) for h in s["history"])  # it missed rounds
+    histories = [training(n)["history"] for n in (a, b)]
+    assert any(h["updates"] == 2 for hist in histories for h in hist), histories  # it missed rounds
     assert training(slow)["step"] < 10000
 
 
@@ -119,7 +120,8 @@ def test_joiners_with_no_state_get_the_donors_exact_hash(swarm):
     joiners = [swarm(f"j{i}", 0, *flags, "--steps", "0", seed=d1 if i % 2 else d2) for i in range(3)]
     states = wait_until(lambda: all_done_and_equal([d1, d2, *joiners]), 60, "the joiners to sync")
     assert {s["version"]["hash"] for s in states} == {donors[0]["version"]["hash"]}
-    assert training(d1)["served"] + training(d2)["served"] >= 3
+    # every joiner fetched the state once: from a donor, or from a joiner that already held it
+    assert sum(training(n)["served"] for n in (d1, d2, *joiners)) >= 3
 
 
 def _update_frames(status: dict, delta: torch.Tensor, **fields) -> bytes:
