@@ -56,3 +56,14 @@ def test_a_swarm_node_refuses_chain_state_training(tmp_path, data_dir):
                            "--data", str(data_dir), "--identity", str(tmp_path / "id.json"), "--out",
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "noised inputs" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_damaged_worker_checkpoint_is_refused_with_a_clear_error(tmp_path, data_dir):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "worker-0.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{truncated")
+    proc = subprocess.run([sys.executable, "-m", "spheroid", "node", "--block", "0", "--data", str(data_dir),
+                           "--identity", str(tmp_path / "id.json"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "not a readable worker checkpoint" in proc.stderr
+    assert "move it away" in proc.stderr and "Traceback" not in proc.stderr

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,7 +105,7 @@ class SessionCache:
         return len(self._sessions)
 
 
-class PipelineServer:
+class PipelineServer(ABC):
     """What every serving node does: coordinate client requests along routes, and relay hops.
 
     Subclasses say what a hop computes (`_compute`) and what a request is (`_generate`, `_score`).
@@ -278,9 +279,17 @@ class PipelineServer:
             await self._reply(coordinator, {"t": "hop_error", "session": msg["session"], "traversal": msg["traversal"],
                                             "node": failed, "message": str(exc)})
 
+    @abstractmethod
     def _compute(self, msg: dict, z: torch.Tensor | None, last: bool) -> dict | torch.Tensor:
         """This node's part of a traversal (in a worker thread): the tensor to pass on, or the hop_done."""
-        raise NotImplementedError
+
+    @abstractmethod
+    async def _generate(self, conn: Connection, msg: dict) -> None:
+        """Answer a `generate` request as its coordinator: traversals, bytes streamed to the client."""
+
+    @abstractmethod
+    async def _score(self, conn: Connection, msg: dict) -> None:
+        """Answer a `score` request as its coordinator."""
 
     def _done(self, msg: dict, logits: torch.Tensor) -> dict:
         """hop_done from the final logits (n, V): the NLL of the targets, or the sampled bytes."""
