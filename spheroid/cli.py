@@ -239,17 +239,22 @@ def generate(target, peer, prompt, n_bytes, mode, chunk, route, temperature, see
     prompt = target if target is not None else prompt
     k = chunk or (n_bytes if mode == "sweep" else 1)
     cfg = NodeConfig(role="client", timeout=min(timeout, 30.0))
-    click.echo(prompt, nl=False)
+    stdout = click.get_binary_stream("stdout")  # the model's bytes as they are, as they come
+
+    def show(data: bytes) -> None:
+        stdout.write(data)
+        stdout.flush()
+
+    show(prompt.encode())
 
     async def ask() -> dict:
         hops = await resolve_route(peer, cfg, route)
         request = {"prompt": prompt.encode(), "n_bytes": n_bytes, "mode": mode, "k": k,
                    "temperature": temperature, "seed": seed, "route": hops}
-        return await remote_generate(peer, cfg, request, on_bytes=lambda data: click.echo(
-            data.decode("utf-8", errors="replace"), nl=False), timeout=timeout)
+        return await remote_generate(peer, cfg, request, on_bytes=show, timeout=timeout)
 
     result = run_remote(ask, peer)
-    click.echo()
+    show(b"\n")
     log.info("%d bytes in %d traversals via %s", result["bytes"], result["traversals"],
              " -> ".join(h[0][:8] for h in result["route"]))
 

@@ -210,3 +210,22 @@ def test_a_node_that_trains_and_serves_keeps_its_rounds_going(servers, model_dir
     assert len(got["data"]) == 30
     after = node.status()["training"]
     assert after["round"] > before and all(h["waited_s"] <= 1 + 2.0 for h in after["history"])
+
+
+def test_cli_generate_and_score_through_the_pipeline(servers, model_dir, tmp_path):
+    head, (mid,), tail = pipeline(servers)
+    ids = [n.status()["node"][:12] for n in (head, mid, tail)]
+    gen = subprocess.run([sys.executable, "-m", "spheroid", "generate", "--peer", tail.addr, "--route", ",".join(ids),
+                          "--mode", "sweep", "--bytes", "20", "--seed", "2", "The "], capture_output=True,
+                         timeout=120)
+    assert gen.returncode == 0, gen.stderr
+    cfg, blocks, codebook = load_chain(model_dir, torch.device("cpu"))
+    assert gen.stdout == b"The " + generate(blocks, cfg.noise, codebook, b"The ", 20, 20, 0.8, 2) + b"\n"
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(32, 127)))
+    score = subprocess.run([sys.executable, "-m", "spheroid", "score", "--peer", head.addr, str(text)],
+                           capture_output=True, text=True, timeout=120)
+    assert score.returncode == 0 and "64 bytes in 2 windows, CE" in score.stdout, score.stderr
+    bad = subprocess.run([sys.executable, "-m", "spheroid", "generate", "--peer", head.addr, "--route", "zzzz", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "--route: 'zzzz' names 0 serving nodes" in bad.stderr
