@@ -103,7 +103,7 @@ class Pipeline:
                 if all(len(s["peers"]) == len(SPLIT) - 1 and all(p["rtt_ms"] for p in s["peers"])
                        for s in self.statuses()):
                     return
-            except (OSError, TimeoutError, Exception):  # noqa: BLE001 - still starting
+            except Exception:  # noqa: BLE001 - still starting
                 pass
             time.sleep(1)
         raise TimeoutError("the serving nodes did not form a full mesh; see their logs")

@@ -93,7 +93,7 @@ class LocalSwarm:
         async def ask(member: Member) -> None:
             try:
                 member.status = await fetch_status(member.listen, self.client)
-            except (OSError, TimeoutError, Exception) as exc:  # noqa: BLE001 - a node starting or gone
+            except Exception as exc:  # noqa: BLE001 - a node starting or gone
                 log.debug("%s did not answer: %r", member.name, exc)
 
         async def ask_all() -> None:
