@@ -4,6 +4,7 @@ bad requests. Serving nodes are separate processes through the CLI, on 127.0.0.1
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import sys
 import time
@@ -135,6 +136,21 @@ def test_a_dead_middle_hop_is_routed_around_or_fails_clearly(servers):
         ask(head.addr)
     assert time.monotonic() - started < 30  # a clear error, never a hang
     assert head.status()["serving"]["blocks"] == [0, 1]  # and the node keeps serving
+
+
+def test_a_hung_middle_hop_is_routed_around(servers):
+    head, (mid, spare), tail = pipeline(servers, "--hop-timeout", "3", middle=2)
+    ids = {n: n.status()["node"] for n in (head, mid, spare, tail)}
+    route = [[ids[head], head.addr, 0, 1], [ids[mid], mid.addr, 2, 2], [ids[tail], tail.addr, 3, 3]]
+    mid.proc.send_signal(signal.SIGSTOP)  # alive, connected, silent
+    try:
+        started = time.monotonic()
+        result = asyncio.run(remote_generate(head.addr, CLIENT, {
+            "prompt": b"x", "n_bytes": 8, "mode": "sweep", "k": 8, "temperature": 0.8, "seed": 1, "route": route}))
+        assert len(result["data"]) == 8 and [h[0] for h in result["route"]] == [ids[head], ids[spare], ids[tail]]
+        assert time.monotonic() - started < 20  # one hop timeout and a ping, not a hang
+    finally:
+        mid.proc.send_signal(signal.SIGCONT)
 
 
 @pytest.mark.parametrize("request_fields, code", [

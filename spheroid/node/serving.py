@@ -9,8 +9,9 @@ bytes (or, for scoring, the summed negative log-likelihood) to the coordinator i
 Activations move node to node and never through the client or the coordinator.
 
 A hop that fails reports `hop_error` naming the node it could not reach; a traversal that gets no
-answer within `hop_timeout` is retried on a route without the nodes whose connections are gone;
-after `retries` failed attempts the client gets a clear error. Nothing waits without a timeout.
+answer within `hop_timeout` is retried on a route without the nodes that are gone or do not answer
+a ping; after `retries` failed attempts the client gets a clear error. Nothing waits without a
+timeout.
 
 Noise and sampling use generators derived from (seed, traversal) (chain.traversal_generators),
 so a pipeline produces the bytes `spheroid generate CKPT` produces locally for the same seed.
@@ -201,13 +202,29 @@ class PipelineServer(ABC):
             except (TimeoutError, PeerGone) as exc:
                 error = f"no answer from the route within {self.hop_timeout}s" if isinstance(exc, TimeoutError) \
                     else str(exc)
-                exclude.update(h.node for h in route if h.node != self.node.id and (
-                    h.node not in self.node.conns or self.node.conns[h.node].closed))
+                exclude.update(await self._unresponsive(route))
             finally:
                 self.waiting.pop(key, None)
             self.counters["reroutes"] += 1
             log.warning("traversal %d of session %s failed (attempt %d): %s", traversal, session, attempt + 1, error)
         raise HopFailed("", f"the request failed after {self.retries + 1} attempts: {error}")
+
+    async def _unresponsive(self, route: list[Hop]) -> set[str]:
+        """The route's nodes that are gone or do not answer a ping within a couple of seconds (hung)."""
+        async def alive(hop: Hop) -> bool:
+            if hop.node == self.node.id:
+                return True
+            conn = self.node.conns.get(hop.node)
+            if conn is None or conn.closed:
+                return False
+            try:
+                await conn.request({"t": "ping", "ts": time.monotonic()}, timeout=min(2.0, self.hop_timeout))
+            except PeerGone:
+                return False
+            return True
+
+        answers = await asyncio.gather(*(alive(h) for h in route))
+        return {h.node for h, ok in zip(route, answers, strict=True) if not ok}
 
     async def on_hop_done(self, conn: Connection, msg: dict) -> None:
         future = self.waiting.get((msg["session"], msg["traversal"]))
