@@ -253,7 +253,7 @@ def generate(target, peer, prompt, n_bytes, mode, chunk, route, temperature, see
                    "temperature": temperature, "seed": seed, "route": hops}
         return await remote_generate(peer, cfg, request, on_bytes=show, timeout=timeout)
 
-    result = run_remote(ask, peer)
+    result = run_client(ask, f"request to {peer} failed")
     show(b"\n")
     log.info("%d bytes in %d traversals via %s", result["bytes"], result["traversals"],
              " -> ".join(h[0][:8] for h in result["route"]))
@@ -276,24 +276,25 @@ def score(file, peer, chunk, route, seed, timeout) -> None:
         request = {"text": text, "chunk": chunk, "seed": seed, "route": await resolve_route(peer, cfg, route)}
         return await remote_score(peer, cfg, request, timeout=timeout)
 
-    result = run_remote(ask, peer)
+    result = run_client(ask, f"request to {peer} failed")
     ce = result["nll"] / result["count"]
     click.echo(f"{file}: {result['count']} bytes in {result['windows']} windows, CE {ce:.4f} nats/byte "
                f"({ce / math.log(2):.4f} bits/byte, M = 1)")
 
 
-def run_remote(ask, peer: str) -> dict:
-    """Run a client coroutine against a node; network and protocol failures become one clear error."""
-    result: dict = {}
+def run_client(ask, what: str):
+    """Run a client coroutine (`ask()`) and return its result; network and protocol failures become one
+    clear error that starts with `what`."""
+    result: list = []
 
     async def main_() -> None:
-        result.update(await ask())
+        result.append(await ask())
 
     try:
         run_async(main_())
     except (OSError, TimeoutError, PeerGone, ProtocolError) as exc:
-        raise Failure(f"request to {peer} failed: {exc}") from exc
-    return result
+        raise Failure(f"{what}: {exc}") from exc
+    return result[0]
 
 
 async def resolve_route(peer: str, cfg: NodeConfig, route: str) -> list:
@@ -490,15 +491,8 @@ def swarm(out, replicas, timeout, data_dir, node_flags) -> None:
 def assemble(peer, out, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) -> None:
     """Collect the newest state of every block from the swarm into a checkpoint `eval` and `generate` read."""
     cfg = NodeConfig(swarm=swarm, role="client", timeout=timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
-    found: list = []
-
-    async def collect() -> None:
-        found.extend(await assemble_swarm(peer, cfg, Path(out), read_secret(secret_file)))
-
-    try:
-        run_async(collect())
-    except (OSError, TimeoutError, PeerGone, ProtocolError) as exc:
-        raise Failure(f"cannot assemble from {peer}: {exc}") from exc
+    secret = read_secret(secret_file)
+    found = run_client(lambda: assemble_swarm(peer, cfg, Path(out), secret), f"cannot assemble from {peer}")
     for block, holder, version in found:
         click.echo(f"block {block}: round {version.round}, {version.samples} samples, state {version.hash[:12]} "
                    f"from {holder}")
@@ -515,15 +509,8 @@ def assemble(peer, out, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) 
 def status(peer, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) -> None:
     """Print a node's status (identity, peers, traffic counters) as JSON."""
     cfg = NodeConfig(swarm=swarm, role="client", timeout=timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
-    result: dict = {}
-
-    async def ask() -> None:
-        result.update(await fetch_status(peer, cfg, read_secret(secret_file)))
-
-    try:
-        run_async(ask())
-    except (OSError, TimeoutError, PeerGone, ProtocolError) as exc:
-        raise Failure(f"cannot get the status of {peer}: {exc}") from exc
+    secret = read_secret(secret_file)
+    result = run_client(lambda: fetch_status(peer, cfg, secret), f"cannot get the status of {peer}")
     click.echo(json.dumps(result, indent=2))
 
 

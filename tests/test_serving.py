@@ -198,10 +198,13 @@ def test_reference_pipeline_matches_the_reference_run_locally(servers, model_dir
     from spheroid.chain import sample, traversal_generators
     from spheroid.train import load_reference
 
-    head = servers("rhead", "0-1", None, "--serve-reference")
-    rest = [servers("rmid", "2", head, "--serve-reference"), servers("rtail", "3", head, "--serve-reference")]
-    wait_until(lambda: all(len(n.status()["peers"]) == 2 for n in (head, *rest)), 60, "full membership")
-    got = ask(head.addr, mode="ar", k=1, n_bytes=40, prompt=b"The tower ")  # longer than the 32-byte window
+    head = servers("rhead", "0-1", None, "--serve-reference", "--hop-timeout", "3")
+    mid, spare, tail = (servers(name, blocks, head, "--serve-reference", "--hop-timeout", "3")
+                        for name, blocks in (("rmid", "2"), ("rspare", "2"), ("rtail", "3")))
+    every = (head, mid, spare, tail)
+    wait_until(lambda: all(len(n.status()["peers"]) == 3 for n in every), 60, "full membership")
+    ids = {n: n.status()["node"] for n in every}
+    route = [[ids[head], head.addr, 0, 1], [ids[mid], mid.addr, 2, 2], [ids[tail], tail.addr, 3, 3]]
     cfg, model = load_reference(model_dir, torch.device("cpu"))
     out, context = bytearray(b"The tower "), cfg.model.context
     start = max(0, len(out) - context // 2)
@@ -210,8 +213,15 @@ def test_reference_pipeline_matches_the_reference_run_locally(servers, model_dir
             start = len(out) - context // 2
         logits = model(torch.tensor(list(out[start:]))[None, :])[0, -1:]
         out.extend(sample(logits, 0.8, traversal_generators(5, traversal, torch.device("cpu"))[1]).tolist())
-    assert got["data"] == bytes(out[len(b"The tower "):])
-    assert rest[1].status()["serving"]["sessions"] >= 1
+    expected = bytes(out[len(b"The tower "):])
+    got = ask(head.addr, mode="ar", k=1, n_bytes=40, prompt=b"The tower ", route=route)  # longer than the window
+    assert got["data"] == expected
+    assert tail.status()["serving"]["sessions"] >= 1
+    # the middle hop dies mid-request: the retry starts a new session on the spare, same bytes
+    got = asyncio.run(remote_generate(head.addr, CLIENT, {
+        "prompt": b"The tower ", "n_bytes": 40, "mode": "ar", "k": 1, "temperature": 0.8, "seed": 5, "route": route},
+        on_bytes=lambda data: mid.kill() if len(data) and mid.proc.poll() is None else None))
+    assert got["data"] == expected and got["route"][1][0] == ids[spare]
     with pytest.raises(PeerGone, match="generates in mode ar"):
         ask(head.addr, mode="sweep")
 

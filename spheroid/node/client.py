@@ -102,12 +102,21 @@ async def fetch_state(addr: str, block: int, cfg: NodeConfig, secret: bytes | No
     """A block's shared state (hash verified) and run configuration, from the node at addr."""
     conn = await connect(addr, cfg, secret)
     try:
-        reply = await conn.request({"t": "state_get", "block": block})
-        flat = conn.streams.take(reply["stream"])
+        return await request_state(conn, block)
     finally:
         await conn.close()
+
+
+async def request_state(conn: Connection, block: int, n_params: int | None = None) -> tuple[RunConfig, SharedState]:
+    """Ask a peer for its state of `block`: its run configuration and the state, size and hash verified.
+
+    ValueError if the reply does not add up; PeerGone if the peer cannot or will not send it.
+    """
+    reply = await conn.request({"t": "state_get", "block": block})
+    flat = conn.streams.take(reply["stream"])
     run_cfg = RunConfig.from_dict(reply["config"])
-    n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data).parameters())
+    if n_params is None:
+        n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data).parameters())
     version = Version(reply["round"], reply["samples"], reply["hash"])
     return run_cfg, SharedState.unpack(version, flat, n_params)
 

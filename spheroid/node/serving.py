@@ -26,6 +26,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -179,18 +180,24 @@ class PipelineServer(ABC):
             with contextlib.suppress(PeerGone):
                 await conn.send({"t": "error", "re": msg["id"], "code": code, "message": str(exc)})
 
-    async def traverse(self, session: str, traversal: int, requested: list, exclude: set[str],
-                       fields: dict) -> tuple[dict, list[Hop]]:
-        """One traversal of the route; re-routed around failed nodes, at most `retries` times."""
+    async def traverse(self, traversal: int, requested: list, exclude: set[str], fields: dict,
+                       retry_fields: Callable[[], dict] | None = None) -> tuple[dict, list[Hop]]:
+        """One traversal of the route; re-routed around failed nodes, at most `retries` times.
+
+        `fields` (with the session) make the hop; `retry_fields` makes the hop of a retry when the
+        nodes' session state cannot be trusted after a failure (the reference pipeline's KV caches).
+        """
         me = [self.node.id, self.node.cfg.address, 0, 0]
         error = "no attempt"
         for attempt in range(self.retries + 1):
+            if attempt and retry_fields is not None:
+                fields = retry_fields()
             route = self.route(requested, exclude)
-            key = (session, traversal)
+            key = (fields["session"], traversal)
             future = asyncio.get_running_loop().create_future()
             self.waiting[key] = future
-            hop = {"t": "hop", "session": session, "traversal": traversal, "route": [h.to_wire() for h in route],
-                   "at": 0, "coordinator": me, "model": self.model_id, **fields}
+            hop = {"t": "hop", "traversal": traversal, "route": [h.to_wire() for h in route], "at": 0,
+                   "coordinator": me, "model": self.model_id, **fields}
             try:
                 await self._deliver(route[0], hop)
                 done = await asyncio.wait_for(future, self.hop_timeout)
@@ -206,7 +213,8 @@ class PipelineServer(ABC):
             finally:
                 self.waiting.pop(key, None)
             self.counters["reroutes"] += 1
-            log.warning("traversal %d of session %s failed (attempt %d): %s", traversal, session, attempt + 1, error)
+            log.warning("traversal %d of session %s failed (attempt %d): %s", traversal, fields["session"], attempt + 1,
+                        error)
         raise HopFailed("", f"the request failed after {self.retries + 1} attempts: {error}")
 
     async def _unresponsive(self, route: list[Hop]) -> set[str]:
@@ -322,6 +330,18 @@ class PipelineServer(ABC):
             done["data"] = bytes(sample(logits, msg["temperature"], sample_gen).tolist())
         return done
 
+    def _check_generate(self, msg: dict) -> None:
+        if len(msg["prompt"]) > MAX_PROMPT or not 0 < msg["n_bytes"] <= MAX_GENERATE or msg["temperature"] < 0:
+            raise ValueError(f"prompt up to {MAX_PROMPT} bytes, 1 to {MAX_GENERATE} bytes to generate and "
+                             f"temperature >= 0")
+
+    def _incoming(self, z: torch.Tensor | None, n: int) -> torch.Tensor:
+        """The tensor the previous hop sent: finite float32 (1, n, d_model), or ValueError."""
+        d = self.cfg.model.d_model
+        if z is None or z.dtype != torch.float32 or tuple(z.shape) != (1, n, d) or not torch.isfinite(z).all():
+            raise ValueError(f"the tensor from the previous hop must be finite float32 (1, {n}, {d})")
+        return z
+
     def _context(self, msg: dict) -> torch.Tensor:
         if not 1 <= len(msg["ctx"]) <= self.cfg.model.context:
             raise ValueError(f"a context of {len(msg['ctx'])} bytes is outside the window of {self.cfg.model.context}")
@@ -354,20 +374,19 @@ class BlockServer(PipelineServer):
         context = self.cfg.model.context
         if msg["mode"] not in ("ar", "sweep"):
             raise ValueError(f"mode must be ar or sweep, got {msg['mode']!r}")
-        if len(msg["prompt"]) > MAX_PROMPT or not 0 < msg["n_bytes"] <= MAX_GENERATE:
-            raise ValueError(f"prompt up to {MAX_PROMPT} bytes and 1 to {MAX_GENERATE} bytes to generate")
+        self._check_generate(msg)
         chunk = 1 if msg["mode"] == "ar" else msg["k"]
-        if not 1 <= chunk <= context - 1 or msg["temperature"] < 0:
-            raise ValueError(f"k must be in [1, {context - 1}] and temperature >= 0")
+        if not 1 <= chunk <= context - 1:
+            raise ValueError(f"k must be in [1, {context - 1}]")
         session = os.urandom(8).hex()
         out = bytearray(msg["prompt"] or b"\n")
         produced, traversal, exclude, route = 0, 0, set(), None
         while produced < msg["n_bytes"]:
             k = min(chunk, msg["n_bytes"] - produced)
             ctx = next_window(out, k, context)
-            fields = {"ctx": ctx, "start": len(ctx) - 1, "n_noisy": k, "chunk": k,
+            fields = {"session": session, "ctx": ctx, "start": len(ctx) - 1, "n_noisy": k, "chunk": k,
                       "temperature": float(msg["temperature"]), "seed": msg["seed"]}
-            done, route = await self.traverse(session, traversal, msg["route"], exclude, fields)
+            done, route = await self.traverse(traversal, msg["route"], exclude, fields)
             out.extend(done["data"])
             produced += k
             traversal += 1
@@ -385,9 +404,9 @@ class BlockServer(PipelineServer):
         nll, count, windows = 0.0, 0, 0
         for i in range(0, len(text) - context, context):  # one traversal per window of context + 1 bytes
             window = text[i : i + context + 1]
-            fields = {"ctx": window[:-1], "start": 0, "n_noisy": len(window) - 1, "chunk": msg["chunk"],
-                      "temperature": 0.0, "seed": msg["seed"], "targets": window[1:]}
-            done, route = await self.traverse(session, windows, msg["route"], exclude, fields)
+            fields = {"session": session, "ctx": window[:-1], "start": 0, "n_noisy": len(window) - 1,
+                      "chunk": msg["chunk"], "temperature": 0.0, "seed": msg["seed"], "targets": window[1:]}
+            done, route = await self.traverse(windows, msg["route"], exclude, fields)
             nll, count, windows = nll + done["nll"], count + done["count"], windows + 1
         await conn.send({"t": "score_reply", "re": msg["id"], "nll": nll, "count": count, "windows": windows,
                          "route": [h.to_wire() for h in route]})
@@ -400,13 +419,11 @@ class BlockServer(PipelineServer):
         if not (1 <= n and start + n <= self.cfg.model.context and 1 <= msg["chunk"] <= n
                 and start <= x.shape[1] - 1):
             raise ValueError(f"{n} noisy bytes from position {start} do not fit the window of {self.cfg.model.context}")
-        if z is None:
-            if msg["at"] != 0:
-                raise ValueError("only the first hop starts from noise")
+        if msg["at"] == 0:  # the first hop starts from noise
             noise_gen, _ = traversal_generators(msg["seed"], msg["traversal"], self.device)
             z = self.grid[0].item() * gaussian((1, n, d), noise_gen, self.device)
-        elif z.dtype != torch.float32 or tuple(z.shape) != (1, n, d) or not torch.isfinite(z).all():
-            raise ValueError(f"the noisy tensor must be finite float32 (1, {n}, {d})")
+        else:
+            z = self._incoming(z, n)
         caches = None if "targets" in msg else self._session_caches(msg["session"], msg["ctx"])
         spb = self.cfg.noise.steps_per_block
         steps = range(self.first * spb, (self.last + 1) * spb)
@@ -456,19 +473,28 @@ class ReferenceServer(PipelineServer):
         positions stay within the model's context.
         """
         context = self.cfg.model.context
-        if msg["mode"] != "ar" or len(msg["prompt"]) > MAX_PROMPT or not 0 < msg["n_bytes"] <= MAX_GENERATE:
-            raise ValueError(f"a reference pipeline generates in mode ar, up to {MAX_GENERATE} bytes")
+        if msg["mode"] != "ar":
+            raise ValueError("a reference pipeline generates in mode ar")
+        self._check_generate(msg)
         out = bytearray(msg["prompt"] or b"\n")
-        session, sent, exclude, route = os.urandom(8).hex(), 0, set(), None
-        out_start = max(0, len(out) - context // 2)  # the session's position 0 in `out`
+        session = {"id": "", "start": max(0, len(out) - context // 2), "sent": 0}  # start: its position 0 in out
+
+        def fields(restart: bool = False) -> dict:
+            """The positions the session's nodes have not seen; a new session (from the window's start)
+            when the window is full or after a failure, when the nodes' caches cannot be trusted."""
+            if len(out) - session["start"] > context:  # full: restart on its last half
+                session["start"], restart = len(out) - context // 2, True
+            if restart or not session["id"]:
+                session["id"], session["sent"] = os.urandom(8).hex(), 0
+            new = bytes(out[session["start"] + session["sent"] :])
+            return {"session": session["id"], "ctx": new, "start": session["sent"], "n_noisy": len(new), "chunk": 1,
+                    "temperature": float(msg["temperature"]), "seed": msg["seed"]}
+
+        exclude, route = set(), None
         for traversal in range(msg["n_bytes"]):
-            if len(out) - out_start > context:  # the window is full: restart on its last half
-                session, sent, out_start = os.urandom(8).hex(), 0, len(out) - context // 2
-            new = bytes(out[out_start + sent :])
-            fields = {"ctx": new, "start": sent, "n_noisy": len(new), "chunk": 1,
-                      "temperature": float(msg["temperature"]), "seed": msg["seed"]}
-            done, route = await self.traverse(session, traversal, msg["route"], exclude, fields)
-            sent += len(new)
+            done, route = await self.traverse(traversal, msg["route"], exclude, fields(),
+                                              lambda: fields(restart=True))
+            session["sent"] = len(out) - session["start"]
             out.extend(done["data"])
             await conn.send({"t": "gen_bytes", "re": msg["id"], "data": done["data"]})
         await conn.send({"t": "gen_done", "re": msg["id"], "bytes": msg["n_bytes"], "traversals": msg["n_bytes"],
@@ -479,18 +505,12 @@ class ReferenceServer(PipelineServer):
 
     @torch.no_grad()
     def _compute(self, msg: dict, z: torch.Tensor | None, last: bool) -> dict | torch.Tensor:
-        n, start, d = msg["n_noisy"], msg["start"], self.cfg.model.d_model
+        n, start = msg["n_noisy"], msg["start"]
         caches = self.sessions.get(msg["session"], len(self.layers)).caches
         if caches[0].k is not None and caches[0].k.shape[2] != start:
-            self.sessions.drop(msg["session"])  # out of step (a retried traversal): fail, the route is retried
+            self.sessions.drop(msg["session"])  # out of step: the coordinator retries on a new session
             raise ValueError(f"session {msg['session'][:8]} holds {caches[0].k.shape[2]} positions, not {start}")
-        if msg["at"] == 0:
-            x = self._context(msg)
-            h = self.model.embed(x, start)
-        elif z is None or z.dtype != torch.float32 or tuple(z.shape) != (1, n, d) or not torch.isfinite(z).all():
-            raise ValueError(f"hidden states must be finite float32 (1, {n}, {d})")
-        else:
-            h = z
+        h = self.model.embed(self._context(msg), start) if msg["at"] == 0 else self._incoming(z, n)
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer(h, None, None, cache)
         if not last:

@@ -31,6 +31,7 @@ from ..data import random_windows
 from ..model import DiffusionBlock, make_codebook
 from ..train import block_loss, learning_rate, make_optimizer, train_step
 from ..wire import ProtocolError, through_codec
+from .client import request_state
 from .connection import Connection, PeerGone
 from .node import Node
 
@@ -78,7 +79,6 @@ class BlockWorker:
         self.synced = self.fresh
         self.replica = Replica(node.id, state, averaging)
         self.pending: SharedState | None = None  # a fetched state to adopt between training chunks
-        self.peer_versions: dict[str, Version] = {}
         self.fetching = False
         self.serving = 0
         self.served = 0
@@ -269,9 +269,7 @@ class BlockWorker:
     async def on_version(self, conn: Connection, msg: dict) -> None:
         if msg["block"] != self.block:
             return
-        version = Version(msg["round"], msg["samples"], msg["hash"])
-        self.peer_versions[conn.label] = version
-        self.replica.note_version(conn.label, version, msg["synced"])
+        self.replica.note_version(conn.label, Version(msg["round"], msg["samples"], msg["hash"]), msg["synced"])
         self.changed.set()
         if not self.fresh:
             self._settle_fetch()
@@ -281,10 +279,10 @@ class BlockWorker:
         if self.fetching:
             return None
         best = None
-        for version in self.peer_versions.values():
+        for version, _ in self.replica.announced.values():
             if self.replica.wants(version, in_round=not self.done) and (best is None or version.preferred_over(best)):
                 best = version
-        holders = [p for p, v in self.peer_versions.items() if v == best and p in self.node.conns]
+        holders = [p for p, (v, _) in self.replica.announced.items() if v == best and p in self.node.conns]
         if best is None or not holders:
             return None
         self.fetching = True
@@ -299,17 +297,14 @@ class BlockWorker:
                 if conn is None:
                     continue
                 try:
-                    reply = await conn.request({"t": "state_get", "block": self.block})
-                    flat = conn.streams.take(reply["stream"])
-                    got = Version(reply["round"], reply["samples"], reply["hash"])
-                    if not same_run(RunConfig.from_dict(reply["config"]), self.cfg):
+                    run_cfg, state = await request_state(conn, self.block, self.n_params)
+                    if not same_run(run_cfg, self.cfg):
                         raise ValueError("its model or noise schedule differs from this node's")
-                    state = SharedState.unpack(got, flat, self.n_params)
                 except (PeerGone, ProtocolError, ValueError, TypeError) as exc:
                     log.warning("state of block %d from %s refused: %s", self.block, donor[:8], exc)
                     continue
-                log.info("block %d: fetched state %s (round %d) from %s", self.block, got.hash[:12], got.round,
-                         donor[:8])
+                log.info("block %d: fetched state %s (round %d) from %s", self.block, state.version.hash[:12],
+                         state.version.round, donor[:8])
                 self.pending = state
                 self.changed.set()
                 return
