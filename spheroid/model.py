@@ -70,9 +70,11 @@ def attention_mask(n_clean: int, n_noisy: int, start: int, chunk: int) -> torch.
 
 
 @functools.lru_cache(maxsize=32)
-def cached_mask(n_clean: int, n_noisy: int, start: int, chunk: int, device: torch.device) -> torch.Tensor:
-    """attention_mask, built once per shape and device rather than at every forward."""
-    return attention_mask(n_clean, n_noisy, start, chunk).to(device)
+def noisy_rows(n_clean: int, n_noisy: int, start: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """The noisy tokens' rows of attention_mask, (N, L + N), built once per shape and device.
+
+    The clean rows need no mask: they are plain causal attention among the clean tokens."""
+    return attention_mask(n_clean, n_noisy, start, chunk)[n_clean:].to(device)
 
 
 class KVCache:
@@ -139,8 +141,8 @@ class Layer(nn.Module):
         if self.ada is None:
             h = h + self.attn(self.norm1(h), mask, cache, memory)
             return h + self.mlp(self.norm2(h))
-        # cond: (B, S, d) one condition per token, or (B, 1, d) one per sequence -> shift, scale and
-        # gate for both sublayers
+        # cond: (B, S, d) one condition per token, (B, 1, d) one per sequence or (d,) one for all
+        # -> shift, scale and gate for both sublayers
         shift1, scale1, gate1, shift2, scale2, gate2 = self.ada(fn.silu(cond)).chunk(6, dim=-1)
         h = h + gate1 * self.attn(self.norm1(h) * (1 + scale1) + shift1, mask, cache, memory)
         return h + gate2 * self.mlp(self.norm2(h) * (1 + scale2) + shift2)
@@ -164,8 +166,9 @@ class BlockNet(nn.Module):
 
     Self-contained: its own context embedding, positions, noise embedding, layers and final norm.
     Two layouts (ModelConfig.layout):
-      - "concat": [clean | noisy] tokens under `attention_mask`, any chunk size K. Clean tokens get
-        a learned condition of their own, so the clean stream does not depend on the noise level.
+      - "concat": [clean | noisy] tokens under `attention_mask`, any chunk size K, run as two
+        streams (see `forward`). Clean tokens get a learned condition of their own, so the clean
+        stream does not depend on the noise level and serving can cache it.
       - "merged" (K = 1 only): one token per position holding x_i and the noisy target z_i, under
         a plain causal mask: half the tokens of "concat", and one noise condition per sequence.
     """
@@ -188,51 +191,41 @@ class BlockNet(nn.Module):
         self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int, chunk: int,
         cache: list[KVCache] | None = None,
     ) -> torch.Tensor:
+        """z_in: (B, N, d) scaled noisy targets of positions start..start+N-1; x: (B, L) clean bytes.
+
+        The concat layout runs as two streams, which computes exactly the masked [clean | noisy]
+        sequence of `attention_mask`: clean tokens attend only to clean tokens, causally, so the
+        clean stream is a plain causal pass whose keys and values each layer keeps; the noisy tokens
+        then read those and attend within their own chunk (the noisy rows of the mask). Each stream
+        carries one condition broadcast over its tokens (a learned one for clean tokens, the noise
+        level's for noisy ones) instead of one per token. Against one masked sequence this saves a
+        quarter of the activations kept for backward and a fifth of the step time (bench/memory.py).
+
+        `cache` (serving): one KVCache per layer already holding the clean stream of a prefix of x;
+        only the bytes it has not seen are computed and added, so later calls (one new byte per
+        traversal in autoregressive decoding) reuse it. Without one, the streams use a fresh cache.
+        """
         b, n_clean = x.shape
         n_noisy = z_in.shape[1]
         if start + n_noisy > self.pos_emb.shape[0]:
             raise ValueError(f"positions up to {start + n_noisy} exceed the context of {self.pos_emb.shape[0]}")
         if self.layout == "merged":
             return self.forward_merged(z_in, c_noise, x, start, chunk)
-        if cache is not None:
-            return self.forward_cached(z_in, c_noise, x, start, chunk, cache)
-        clean = self.tok_emb(x) + self.pos_emb[:n_clean]  # (B, L, d)
+        if cache is None:
+            cache = [KVCache() for _ in self.layers]
+        seen = 0 if cache[0].k is None else cache[0].k.shape[2]
+        clean = self.tok_emb(x[:, seen:]) + self.pos_emb[seen:n_clean]  # (B, L - seen, d)
         # each noisy token also carries the last clean byte its chunk may see (its anchor), so the
         # nearest context is at hand from the first step instead of having to be found by attention
         anchor = start + (torch.arange(n_noisy, device=x.device) // chunk) * chunk  # (N,)
         noisy = self.noisy_in(z_in) + self.tok_emb(x[:, anchor]) + self.pos_emb[start : start + n_noisy]  # (B, N, d)
-        h = torch.cat([clean, noisy], dim=1)  # (B, L+N, d)
-        cond = torch.cat(
-            [self.clean_cond.expand(b, n_clean, -1), self.noise_emb(c_noise)[:, None, :].expand(b, n_noisy, -1)],
-            dim=1,
-        )  # (B, L+N, d)
-        mask = cached_mask(n_clean, n_noisy, start, chunk, x.device)
-        for layer in self.layers:
-            h = layer(h, mask, cond)
-        return self.readout(h[:, n_clean:], cond[:, n_clean:])  # (B, N, d)
-
-    def forward_cached(self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int, chunk: int,
-                       cache: list[KVCache]) -> torch.Tensor:
-        """`forward` for serving: the clean stream's keys and values per layer are kept in `cache`.
-
-        The clean stream does not depend on the noise, so it is computed once for the bytes the
-        cache has not seen (one new byte per traversal in autoregressive decoding) and read by the
-        noisy tokens of every later call. The cache must hold a prefix of x.
-        """
-        b, n_clean = x.shape
-        seen = 0 if cache[0].k is None else cache[0].k.shape[2]
-        n_noisy = z_in.shape[1]
-        clean = self.tok_emb(x[:, seen:]) + self.pos_emb[seen:n_clean]  # (B, new, d)
-        anchor = start + (torch.arange(n_noisy, device=x.device) // chunk) * chunk
-        noisy = self.noisy_in(z_in) + self.tok_emb(x[:, anchor]) + self.pos_emb[start : start + n_noisy]
-        clean_cond = self.clean_cond.expand(b, 1, -1)
         noisy_cond = self.noise_emb(c_noise)[:, None, :]  # (B, 1, d)
-        mask = cached_mask(n_clean, n_noisy, start, chunk, x.device)[n_clean:]  # noisy rows: (N, L + N)
+        mask = noisy_rows(n_clean, n_noisy, start, chunk, x.device)  # (N, L + N)
         for layer, kv in zip(self.layers, cache, strict=True):
             if clean.shape[1]:
-                clean = layer(clean, None, clean_cond, cache=kv)
+                clean = layer(clean, None, self.clean_cond, cache=kv)  # causal; its keys and values join kv
             noisy = layer(noisy, mask, noisy_cond, memory=kv)
-        return self.readout(noisy, noisy_cond)
+        return self.readout(noisy, noisy_cond)  # (B, N, d)
 
     def forward_merged(self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int,
                        chunk: int) -> torch.Tensor:

@@ -222,12 +222,47 @@ def test_kv_cached_reference_matches_the_full_forward(tiny):
     assert caches[0].nbytes == 2 * 14 * tiny.model.d_model * 4
 
 
+def concat_sequence(net, z_in, c_noise, x, start, chunk):
+    """method.md's layout taken literally: one [clean | noisy] sequence under attention_mask, with a
+    condition per token. The block computes it as two streams; this is the oracle it must match."""
+    b, n_clean = x.shape
+    n = z_in.shape[1]
+    anchor = start + (torch.arange(n) // chunk) * chunk
+    clean = net.tok_emb(x) + net.pos_emb[:n_clean]
+    noisy = net.noisy_in(z_in) + net.tok_emb(x[:, anchor]) + net.pos_emb[start : start + n]
+    h = torch.cat([clean, noisy], dim=1)
+    cond = torch.cat([net.clean_cond.expand(b, n_clean, -1), net.noise_emb(c_noise)[:, None].expand(b, n, -1)], dim=1)
+    mask = attention_mask(n_clean, n, start, chunk)
+    for layer in net.layers:
+        h = layer(h, mask, cond)
+    return net.readout(h[:, n_clean:], cond[:, n_clean:])
+
+
+@pytest.mark.parametrize("chunk, start, n", [(1, 0, 20), (4, 0, 20), (4, 8, 8), (1, 19, 1)])
+def test_two_streams_compute_the_masked_concat_sequence(tiny, chunk, start, n):
+    """Outputs and every parameter's gradient equal the literal masked sequence's (in float64, so
+    only a different computation, not summation order, could tell them apart)."""
+    net = randomize(DiffusionBlock(override(tiny.model, layers_per_block=2, context=32), 0.5)).net.double()
+    x, c_noise = torch.randint(0, 256, (3, 20)), torch.randn(3, dtype=torch.float64)
+    z = torch.randn(3, n, net.pos_emb.shape[1], dtype=torch.float64)
+    grads = []
+    for forward in (net, lambda *a: concat_sequence(net, *a)):
+        net.zero_grad()
+        out = forward(z, c_noise, x, start, chunk)
+        out.pow(2).sum().backward()
+        grads.append((out.detach(), [p.grad.clone() for p in net.parameters()]))
+    (split, split_grads), (oracle, oracle_grads) = grads
+    torch.testing.assert_close(split, oracle, rtol=1e-9, atol=1e-9)
+    for a, b in zip(split_grads, oracle_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("chunk", [1, 4])
 def test_cached_clean_stream_gives_the_logits_of_the_full_forward(tiny, chunk):
     cfg = override(tiny.model, layers_per_block=2, context=32)
     block = randomize(DiffusionBlock(cfg, 0.5)).eval()
     x, z, sigma = torch.randint(0, 256, (1, 20)), torch.randn(1, chunk, cfg.d_model), torch.tensor([2.0])
-    full = block(x, z, sigma, 19, chunk)
+    full = block(x, z, sigma, 19, chunk)  # a fresh cache
     cache = [KVCache() for _ in range(2)]
     block(x[:, :12], torch.randn(1, chunk, cfg.d_model), sigma, 11, chunk, cache)  # a shorter window first
     torch.testing.assert_close(block(x, z, sigma, 19, chunk, cache), full, rtol=0, atol=1e-5)

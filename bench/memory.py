@@ -1,0 +1,180 @@
+"""Training memory: one block worker against the end-to-end reference trainer, and where it goes.
+
+Each trainer runs in its own process through the library's own trainer (`train_block` /
+`train_reference`, as `spheroid train` does) for a few steps at a preset's shapes, so its peak
+resident memory is its own. Then, in the same process, one more step is taken apart:
+
+  runtime       resident memory once Python, torch and spheroid are imported (before any data)
+  before        peak resident memory before the first step (runtime, corpus, model, batch)
+  peak          peak resident memory of the whole run
+  training      peak - before: what training itself added
+  activations   tensors autograd keeps for backward in one step (saved-tensor hooks, each storage once)
+  weights       parameters + gradients + AdamW moments
+
+Trainers: `reference` (the end-to-end reference), `block` (block 0 with noised inputs, the
+default layout: concat, computed as two streams) and `block-merged` (block 0 with the K = 1 merged
+layout: one token per position). Every ratio is against the reference measured in the same run,
+at the same batch. The same shapes at a larger batch show how the fixed runtime weighs.
+
+    python bench/memory.py [--preset ci|small|paper] [--batches 32,128] [--steps 8] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import PRESETS, preset_config  # noqa: E402
+
+from spheroid import train  # noqa: E402
+from spheroid.config import RunConfig, override  # noqa: E402
+from spheroid.data import load_bytes, random_windows  # noqa: E402
+from spheroid.model import DiffusionBlock, Reference, make_codebook  # noqa: E402
+
+log = logging.getLogger("bench.memory")
+
+TRAINERS = {"reference": {}, "block": {}, "block-merged": {"layout": "merged"}}
+MIB = 2**20
+
+
+def resident_mb() -> float:
+    """This process's resident memory now, in MiB (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status: this benchmark reads Linux's process accounting")
+
+
+def kept_for_backward(compute) -> tuple[torch.Tensor, int]:
+    """Run `compute()` and count the bytes of the tensors autograd saves for backward, each storage once."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compute()
+    return out, sum(storages.values())
+
+
+def measure(trainer: str, cfg: RunConfig, data_dir: str | None) -> dict:
+    """One trainer, in this process: the real training loop for cfg.train.steps, then one step taken apart."""
+    runtime = resident_mb()
+    data = load_bytes(data_dir, "train")
+    device = torch.device("cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        if trainer == "reference":
+            fit = train.train_reference(cfg, data, Path(tmp), device)
+        else:
+            fit = train.train_block(cfg, 0, data, Path(tmp), device)
+
+    # the breakdown comes after the run, so it cannot add to the peak measured above
+    gen = torch.Generator().manual_seed(cfg.train.seed)
+    if trainer == "reference":
+        model = Reference(cfg.model)
+        loss_fn = train.reference_loss(model)
+    else:
+        model = DiffusionBlock(cfg.model, cfg.noise.sigma_data)
+        loss_fn = train.block_loss(model, cfg, 0, make_codebook(cfg.model))
+    opt = train.make_optimizer(model, cfg)
+    windows = random_windows(data, cfg.train.batch, cfg.model.context + 1, gen)
+    train.train_step(model, loss_fn, opt, windows, gen, cfg.train.grad_clip)  # AdamW state exists from here
+    (loss, _), activations = kept_for_backward(lambda: loss_fn(windows, gen))
+    loss.backward()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                  if torch.is_tensor(t) and t.dim() > 0)
+    return {
+        "runtime_mb": runtime,
+        "before_mb": fit.rss_before_training_mb,
+        "peak_mb": fit.peak_rss_mb,
+        "training_mb": fit.peak_rss_mb - fit.rss_before_training_mb,
+        "activations_mb": activations / MIB,
+        "weights_mb": (2 * params + moments) / MIB,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def run_child(trainer: str, cfg: RunConfig, data_dir: str | None) -> dict:
+    """`measure` in a fresh process, so that each trainer's peak memory is its own."""
+    spec = json.dumps({"trainer": trainer, "config": json.loads(cfg.to_json()), "data": data_dir})
+    proc = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{trainer} measurement failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(preset: str, batches: list[int], steps: int, data_dir: str | None) -> dict:
+    rows = []
+    for batch in batches:
+        base = preset_config(preset)
+        base = dataclasses.replace(base, train=override(base.train, batch=batch, steps=steps, warmup=1))
+        for trainer, model_changes in TRAINERS.items():
+            cfg = dataclasses.replace(base, model=override(base.model, **model_changes))
+            log.info("batch %d: %s ...", batch, trainer)
+            rows.append({"trainer": trainer, "batch": batch, **run_child(trainer, cfg, data_dir)})
+    for row in rows:
+        ref = next(r for r in rows if r["trainer"] == "reference" and r["batch"] == row["batch"])
+        for key in ("peak", "training", "activations"):
+            row[f"{key}_ratio"] = row[f"{key}_mb"] / ref[f"{key}_mb"]
+        # arithmetic on the figures above, not a measurement: a block holding exactly 1/B of the
+        # reference's training memory, on the same runtime
+        ideal = ref["before_mb"] + ref["training_mb"] / base.model.n_blocks
+        row["ideal_block_peak_ratio"] = ideal / ref["peak_mb"]
+    return {"preset": preset, "steps": steps, "config": json.loads(preset_config(preset).to_json()),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+
+
+def print_table(result: dict) -> None:
+    print(f"\ntraining memory, preset {result['preset']} ({result['steps']} steps each, own process; MiB)")
+    head = ("trainer", "batch", "runtime", "before", "peak", "training", "activations", "weights",
+            "peak/ref", "training/ref", "activ./ref")
+    print("  ".join(f"{h:>12}" for h in head))
+    for r in result["rows"]:
+        cells = (r["trainer"], r["batch"], *(f"{r[k]:.0f}" for k in (
+            "runtime_mb", "before_mb", "peak_mb", "training_mb", "activations_mb")), f"{r['weights_mb']:.1f}",
+            *(f"{r[k]:.2f}" for k in ("peak_ratio", "training_ratio", "activations_ratio")))
+        print("  ".join(f"{c:>12}" for c in cells))
+    for batch in sorted({r["batch"] for r in result["rows"]}):
+        ideal = next(r["ideal_block_peak_ratio"] for r in result["rows"] if r["batch"] == batch)
+        print(f"batch {batch}: a block with exactly 1/{result['config']['model']['n_blocks']} of the reference's "
+              f"training memory, on the same runtime, would peak at {ideal:.2f} of the reference")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the preset's, and 4x)")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per trainer")
+    parser.add_argument("--data", default=None, help="WikiText folder (default: $SPHEROID_DATA)")
+    parser.add_argument("--out", default=None, help="JSON file (default: bench/results/memory-<preset>.json)")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.child:
+        spec = json.loads(args.child)
+        print(json.dumps(measure(spec["trainer"], RunConfig.from_dict(spec["config"]), spec["data"])))
+        return
+    batch = PRESETS[args.preset]["train"]["batch"]
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [batch, 4 * batch]
+    result = run(args.preset, batches, args.steps, args.data)
+    out = Path(args.out or Path(__file__).parent / "results" / f"memory-{args.preset}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print_table(result)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
