@@ -11,9 +11,10 @@ resident memory is its own. Then, in the same process, one more step is taken ap
   activations   tensors autograd keeps for backward in one step (saved-tensor hooks, each storage once)
   weights       parameters + gradients + AdamW moments
 
-Trainers: `reference` (the end-to-end reference), `block` (block 0 with noised inputs, the
-default layout: concat, computed as two streams) and `block-merged` (block 0 with the K = 1 merged
-layout: one token per position). Every ratio is against the reference measured in the same run,
+Trainers: `reference` (the end-to-end reference), `reference-1block` (the one-block-deep reference:
+what one worker could train alone), `block` (block 0 with noised inputs, the default layout: concat,
+computed as two streams) and `block-merged` (block 0 with the K = 1 merged layout: one token per
+position). Every ratio is against the reference measured in the same run,
 at the same batch. The same shapes at a larger batch show how the fixed runtime weighs.
 
     python bench/memory.py [--preset ci|small] [--batches 32,128] [--steps 8] [--out FILE]
@@ -42,7 +43,13 @@ from spheroid.model import DiffusionBlock, Reference, make_codebook  # noqa: E40
 
 log = logging.getLogger("bench.memory")
 
-TRAINERS = {"reference": {}, "block": {}, "block-merged": {"layout": "merged"}}
+# name -> (what trains, model changes)
+TRAINERS = {
+    "reference": ("reference", {}),
+    "reference-1block": ("reference", {"n_blocks": 1}),
+    "block": ("block", {}),
+    "block-merged": ("block", {"layout": "merged"}),
+}
 MIB = 2**20
 
 
@@ -56,32 +63,33 @@ def resident_mb() -> float:
 
 def kept_for_backward(compute) -> tuple[torch.Tensor, int]:
     """Run `compute()` and count the bytes of the tensors autograd saves for backward, each storage once."""
-    storages: dict[int, int] = {}
+    kept: list[torch.Tensor] = []  # held until counted, so no storage's address is reused meanwhile
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        kept.append(t)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = compute()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
     return out, sum(storages.values())
 
 
-def measure(trainer: str, cfg: RunConfig, data_dir: str | None) -> dict:
-    """One trainer, in this process: the real training loop for cfg.train.steps, then one step taken apart."""
+def measure(kind: str, cfg: RunConfig, data_dir: str | None) -> dict:
+    """One trainer ("reference" or "block"), in this process: the real training loop for
+    cfg.train.steps, then one step taken apart."""
     runtime = resident_mb()
     data = load_bytes(data_dir, "train")
     device = torch.device("cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        if trainer == "reference":
+        if kind == "reference":
             fit = train.train_reference(cfg, data, Path(tmp), device)
         else:
             fit = train.train_block(cfg, 0, data, Path(tmp), device)
 
     # the breakdown comes after the run, so it cannot add to the peak measured above
     gen = torch.Generator().manual_seed(cfg.train.seed)
-    if trainer == "reference":
+    if kind == "reference":
         model = Reference(cfg.model)
         loss_fn = train.reference_loss(model)
     else:
@@ -106,12 +114,12 @@ def measure(trainer: str, cfg: RunConfig, data_dir: str | None) -> dict:
     }
 
 
-def run_child(trainer: str, cfg: RunConfig, data_dir: str | None) -> dict:
+def run_child(kind: str, cfg: RunConfig, data_dir: str | None) -> dict:
     """`measure` in a fresh process, so that each trainer's peak memory is its own."""
-    spec = json.dumps({"trainer": trainer, "config": json.loads(cfg.to_json()), "data": data_dir})
+    spec = json.dumps({"kind": kind, "config": json.loads(cfg.to_json()), "data": data_dir})
     proc = subprocess.run([sys.executable, __file__, "--child", spec], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{trainer} measurement failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{kind} measurement failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -120,10 +128,10 @@ def run(preset: str, batches: list[int], steps: int, data_dir: str | None) -> di
     for batch in batches:
         base = preset_config(preset)
         base = dataclasses.replace(base, train=override(base.train, batch=batch, steps=steps, warmup=1))
-        for trainer, model_changes in TRAINERS.items():
+        for name, (kind, model_changes) in TRAINERS.items():
             cfg = dataclasses.replace(base, model=override(base.model, **model_changes))
-            log.info("batch %d: %s ...", batch, trainer)
-            rows.append({"trainer": trainer, "batch": batch, **run_child(trainer, cfg, data_dir)})
+            log.info("batch %d: %s ...", batch, name)
+            rows.append({"trainer": name, "batch": batch, **run_child(kind, cfg, data_dir)})
     for row in rows:
         ref = next(r for r in rows if r["trainer"] == "reference" and r["batch"] == row["batch"])
         for key in ("peak", "training", "activations"):
@@ -140,12 +148,12 @@ def print_table(result: dict) -> None:
     print(f"\ntraining memory, preset {result['preset']} ({result['steps']} steps each, own process; MiB)")
     head = ("trainer", "batch", "runtime", "before", "peak", "training", "activations", "weights",
             "peak/ref", "training/ref", "activ./ref")
-    print("  ".join(f"{h:>12}" for h in head))
+    print(f"{head[0]:>16}" + "".join(f"{h:>13}" for h in head[1:]))
     for r in result["rows"]:
         cells = (r["trainer"], r["batch"], *(f"{r[k]:.0f}" for k in (
             "runtime_mb", "before_mb", "peak_mb", "training_mb", "activations_mb")), f"{r['weights_mb']:.1f}",
             *(f"{r[k]:.2f}" for k in ("peak_ratio", "training_ratio", "activations_ratio")))
-        print("  ".join(f"{c:>12}" for c in cells))
+        print(f"{cells[0]:>16}" + "".join(f"{c:>13}" for c in cells[1:]))
     for batch in sorted({r["batch"] for r in result["rows"]}):
         ideal = next(r["ideal_block_peak_ratio"] for r in result["rows"] if r["batch"] == batch)
         print(f"batch {batch}: a block with exactly 1/{result['config']['model']['n_blocks']} of the reference's "
@@ -165,7 +173,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.child:
         spec = json.loads(args.child)
-        print(json.dumps(measure(spec["trainer"], RunConfig.from_dict(spec["config"]), spec["data"])))
+        print(json.dumps(measure(spec["kind"], RunConfig.from_dict(spec["config"]), spec["data"])))
         return
     batch = PRESETS[args.preset]["train"]["batch"]
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [batch, 4 * batch]

@@ -29,7 +29,7 @@ def test_memory_bench_ci_preset(tmp_path, data_dir):
     proc = run_bench("memory.py", "--preset", "ci", "--batches", "8", "--steps", "2", "--out", str(out),
                      "--data", str(data_dir))
     rows = {r["trainer"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"reference", "block", "block-merged"}
+    assert set(rows) == {"reference", "reference-1block", "block", "block-merged"}
     for r in rows.values():
         assert 0 < r["runtime_mb"] <= r["before_mb"] <= r["peak_mb"]
         assert r["activations_mb"] > 0 and r["weights_mb"] > 0
