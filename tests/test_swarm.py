@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
+import re
 import subprocess
 import sys
 
@@ -119,7 +121,8 @@ def test_sigkill_mid_round_then_restart_catches_up_to_the_same_hash(swarm):
     wait_until(lambda: training(c)["counters"]["adopted"] >= 1, 60, "the restarted node to catch up")
     states = wait_until(lambda: all_done_and_equal([a, b, c]), 180, "all three to end on one state")
     assert len({s["version"]["hash"] for s in states}) == 1
-    assert "resumed from" in c.log.read_text()
+    resumed = re.search(r"resumed from .* step (\d+), loss (\S+),", c.log.read_text())
+    assert resumed and int(resumed[1]) > 0 and math.isfinite(float(resumed[2]))  # its last loss came back too
 
 
 def test_joiners_with_no_state_get_the_donors_exact_hash(swarm):

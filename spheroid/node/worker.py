@@ -113,7 +113,7 @@ class BlockWorker:
             for key, value in entry.items():
                 tensors[f"opt.{i}.{key}"] = torch.as_tensor(value).contiguous()
         meta = {"version": json.dumps(state.version.to_wire()), "step": str(self.step), "block": str(self.block),
-                "config": self.cfg.to_json()}
+                "loss": repr(self.loss), "config": self.cfg.to_json()}
         atomic_write(self.path, save_safetensors(tensors, metadata=meta))
 
     def _resume(self) -> SharedState:
@@ -124,6 +124,7 @@ class BlockWorker:
             saved = RunConfig.from_json(meta["config"])
             version = Version(**json.loads(meta["version"]))
             step, block = int(meta["step"]), int(meta["block"])
+            loss = float(meta.get("loss", "nan"))  # so a resumed node shows its last loss before its next step
         except (SafetensorError, OSError, KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(f"{self.path} is not a readable worker checkpoint ({exc}); move it away to "
                                   f"start this block from the swarm") from exc
@@ -143,9 +144,9 @@ class BlockWorker:
                 _, index, name = key.split(".", 2)
                 opt_state.setdefault(int(index), {})[name] = value
         self.opt.load_state_dict({"state": opt_state, "param_groups": groups})
-        self.step = step
-        log.info("block %d resumed from %s: round %d, step %d, state %s", self.block, self.path, version.round,
-                 step, version.hash[:12])
+        self.step, self.loss = step, loss
+        log.info("block %d resumed from %s: round %d, step %d, loss %.4f, state %s", self.block, self.path,
+                 version.round, step, loss, version.hash[:12])
         return state
 
     # --- the training loop --------------------------------------------------------------------------
