@@ -198,15 +198,14 @@ class BlockNet(nn.Module):
         clean stream is a plain causal pass whose keys and values each layer keeps; the noisy tokens
         then read those and attend within their own chunk (the noisy rows of the mask). Each stream
         carries one condition broadcast over its tokens (a learned one for clean tokens, the noise
-        level's for noisy ones) instead of one per token. Against one masked sequence this saves a
-        quarter of the activations kept for backward and a fifth of the step time (bench/memory.py).
+        level's for noisy ones) instead of one per token. Against one masked sequence this keeps a
+        quarter fewer activations for backward and trains faster (figures in README, "The model").
 
         `cache` (serving): one KVCache per layer already holding the clean stream of a prefix of x;
         only the bytes it has not seen are computed and added, so later calls (one new byte per
         traversal in autoregressive decoding) reuse it. Without one, the streams use a fresh cache.
         """
-        b, n_clean = x.shape
-        n_noisy = z_in.shape[1]
+        n_clean, n_noisy = x.shape[1], z_in.shape[1]
         if start + n_noisy > self.pos_emb.shape[0]:
             raise ValueError(f"positions up to {start + n_noisy} exceed the context of {self.pos_emb.shape[0]}")
         if self.layout == "merged":
