@@ -112,7 +112,8 @@ def run_config_options(func):
         click.option("--edm-skip/--no-edm-skip", "model__edm_skip", default=None,
                      help="EDM's skip path c_skip * z in the denoiser (method.md has it; the default is without)."),
         click.option("--layout", "model__layout", type=click.Choice(["concat", "merged"]),
-                     help="Block token layout: concat ([clean | noisy], any K) or merged (one token per byte, K = 1)."),
+                     help="Block token layout: concat ([clean | noisy], any K; the default) or merged (one token "
+                          "per byte, K = 1 only: half the activation memory, no sweep decoding or serving)."),
         click.option("--p-mean", "noise__p_mean", type=float),
         click.option("--p-std", "noise__p_std", type=float),
         click.option("--sigma-min", "noise__sigma_min", type=float),
