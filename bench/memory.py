@@ -124,24 +124,27 @@ def run_child(kind: str, cfg: RunConfig, data_dir: str | None) -> dict:
 
 
 def run(preset: str, batches: list[int], steps: int, data_dir: str | None) -> dict:
-    rows = []
+    # blocks read noised inputs (method.md, and what a swarm node trains): block 0 alone, no chain
+    preset_cfg = preset_config(preset, ["train.block_input=noised"])
+    rows, ideal = [], {}
     for batch in batches:
-        base = preset_config(preset)
-        base = dataclasses.replace(base, train=override(base.train, batch=batch, steps=steps, warmup=1))
+        base = dataclasses.replace(preset_cfg, train=override(preset_cfg.train, batch=batch, steps=steps, warmup=1))
+        measured = {}
         for name, (kind, model_changes) in TRAINERS.items():
             cfg = dataclasses.replace(base, model=override(base.model, **model_changes))
             log.info("batch %d: %s ...", batch, name)
-            rows.append({"trainer": name, "batch": batch, **run_child(kind, cfg, data_dir)})
-    for row in rows:
-        ref = next(r for r in rows if r["trainer"] == "reference" and r["batch"] == row["batch"])
-        for key in ("peak", "training", "activations"):
-            row[f"{key}_ratio"] = row[f"{key}_mb"] / ref[f"{key}_mb"]
+            measured[name] = {"trainer": name, "batch": batch, **run_child(kind, cfg, data_dir)}
+        ref = measured["reference"]
+        for row in measured.values():
+            for key in ("peak", "training", "activations"):
+                row[f"{key}_ratio"] = row[f"{key}_mb"] / ref[f"{key}_mb"]
+        rows += measured.values()
         # arithmetic on the figures above, not a measurement: a block holding exactly 1/B of the
         # reference's training memory, on the same runtime
-        ideal = ref["before_mb"] + ref["training_mb"] / base.model.n_blocks
-        row["ideal_block_peak_ratio"] = ideal / ref["peak_mb"]
-    return {"preset": preset, "steps": steps, "config": json.loads(preset_config(preset).to_json()),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows}
+        ideal[batch] = (ref["before_mb"] + ref["training_mb"] / base.model.n_blocks) / ref["peak_mb"]
+    return {"preset": preset, "steps": steps, "config": json.loads(preset_cfg.to_json()),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "rows": rows,
+            "ideal_block_peak_ratio": ideal}
 
 
 def print_table(result: dict) -> None:
@@ -154,8 +157,7 @@ def print_table(result: dict) -> None:
             "runtime_mb", "before_mb", "peak_mb", "training_mb", "activations_mb")), f"{r['weights_mb']:.1f}",
             *(f"{r[k]:.2f}" for k in ("peak_ratio", "training_ratio", "activations_ratio")))
         print(f"{cells[0]:>16}" + "".join(f"{c:>13}" for c in cells[1:]))
-    for batch in sorted({r["batch"] for r in result["rows"]}):
-        ideal = next(r["ideal_block_peak_ratio"] for r in result["rows"] if r["batch"] == batch)
+    for batch, ideal in result["ideal_block_peak_ratio"].items():
         print(f"batch {batch}: a block with exactly 1/{result['config']['model']['n_blocks']} of the reference's "
               f"training memory, on the same runtime, would peak at {ideal:.2f} of the reference")
 
