@@ -89,13 +89,17 @@ VARIANTS = [
             model={"edm_skip": False, "layout": "merged"}, train={"block_input": "chain"}, method_change=True),
     Variant("chain_input_norm4_merged", "chain-state training, norm 4, merged layout",
             model={"layout": "merged", "codebook_norm": 4.0}, train={"block_input": "chain"}, method_change=True),
+    Variant("relay", "the default: chain states, no skip path, each block's clean stream relayed from the one before",
+            model={"edm_skip": False, "channel": "relay"}, train={"block_input": "chain"}, method_change=True),
+    Variant("relay_noised", "relay channel on noised inputs (no skip path): depth without chain states",
+            model={"edm_skip": False, "channel": "relay"}, method_change=True),
 ]
 
 PRESETS: dict[str, dict] = {
     # for the test suite: two variants of a model that trains in seconds
     "ci": {"model": {"d_model": 32, "n_heads": 2, "layers_per_block": 1, "context": 32},
            "train": {"steps": 30, "batch": 8, "warmup": 5}, "eval_windows": 16,
-           "variants": ["paper", "paper_2steps", "chain_input", "genesis"]},
+           "variants": ["paper", "paper_2steps", "chain_input", "genesis", "relay"]},
     # the grid on a 2-core CPU: about a minute per trained variant
     "mini": {"model": {"d_model": 64, "n_heads": 4, "layers_per_block": 2, "context": 64},
              "train": {"steps": 400, "batch": 32, "warmup": 40}, "eval_windows": 128,
@@ -103,8 +107,9 @@ PRESETS: dict[str, dict] = {
 }
 
 
-# the grid's base is method.md as written; spheroid's defaults are the variant chain_input_noskip
-PAPER = {"model": {"edm_skip": True}, "train": {"block_input": "noised"}}
+# the grid's base is method.md as written (z is all that passes between blocks); spheroid's defaults
+# are the variant relay
+PAPER = {"model": {"edm_skip": True, "channel": "z"}, "train": {"block_input": "noised"}}
 
 
 def variant_config(base: RunConfig, v: Variant) -> RunConfig:

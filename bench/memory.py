@@ -10,12 +10,17 @@ resident memory is its own. Then, in the same process, one more step is taken ap
   training      peak - before: what training itself added
   activations   tensors autograd keeps for backward in one step (saved-tensor hooks, each storage once)
   weights       parameters + gradients + AdamW moments
+  frozen        parameters of the frozen earlier blocks a block trainer runs (no gradients, no moments)
 
-Trainers: `reference` (the end-to-end reference), `reference-1block` (the one-block-deep reference:
-what one worker could train alone), `block` (block 0 with noised inputs, the default layout: concat,
-computed as two streams) and `block-merged` (block 0 with the K = 1 merged layout: one token per
-position). Every ratio is against the reference measured in the same run,
-at the same batch. The same shapes at a larger batch show how the fixed runtime weighs.
+Trainers: `reference` (the plain end-to-end reference, full depth), `reference-two-stream` (the
+same depth in the blocks' two-stream layout), `reference-1block` (the plain one-block-deep
+reference: what one worker could train alone), `block` (block 0 with noised inputs, the concat
+layout computed as two streams: what a swarm node trains), `block-merged` (block 0 with the K = 1
+merged layout: one token per position) and `last-block` (the last block as the default trains it:
+on chain states, its clean stream relayed from the block before; it also holds and runs the frozen
+blocks before it, forward only: `frozen` is their weights). Every ratio is against the plain
+reference measured in the same run, at the same batch. The same shapes at a larger batch show how
+the fixed runtime weighs.
 
     python bench/memory.py [--preset ci|small] [--batches 32,128] [--steps 8] [--out FILE]
 """
@@ -39,16 +44,21 @@ from quality import PRESETS, preset_config  # noqa: E402
 from spheroid import train  # noqa: E402
 from spheroid.config import RunConfig, override  # noqa: E402
 from spheroid.data import load_bytes, random_windows  # noqa: E402
-from spheroid.model import DiffusionBlock, Reference, make_codebook  # noqa: E402
+from spheroid.model import Reference  # noqa: E402
 
 log = logging.getLogger("bench.memory")
 
-# name -> (what trains, model changes)
+# name -> (what trains: "reference" or the index of a block, model changes, training changes)
+NOISED = {"block_input": "noised"}
 TRAINERS = {
-    "reference": ("reference", {}),
-    "reference-1block": ("reference", {"n_blocks": 1}),
-    "block": ("block", {}),
-    "block-merged": ("block", {"layout": "merged"}),
+    "reference": ("reference", {}, {}),
+    "reference-two-stream": ("reference", {"reference_layout": "two_stream"}, {}),
+    "reference-1block": ("reference", {"n_blocks": 1}, {}),
+    "block": (0, {}, NOISED),
+    "block-merged": (0, {"layout": "merged", "channel": "z"}, NOISED),
+    # the earlier blocks in their genesis states (published ones are never read within the run):
+    # the same memory as trained ones, without training them first
+    "last-block": (-1, {}, {"block_input": "chain", "refresh_every": 1_000_000}),
 }
 MIB = 2**20
 
@@ -75,8 +85,8 @@ def kept_for_backward(compute) -> tuple[torch.Tensor, int]:
     return out, sum(storages.values())
 
 
-def measure(kind: str, cfg: RunConfig, data_dir: str | None) -> dict:
-    """One trainer ("reference" or "block"), in this process: the real training loop for
+def measure(kind: str | int, cfg: RunConfig, data_dir: str | None) -> dict:
+    """One trainer ("reference" or a block's index), in this process: the real training loop for
     cfg.train.steps, then one step taken apart."""
     runtime = resident_mb()
     data = load_bytes(data_dir, "train")
@@ -85,16 +95,16 @@ def measure(kind: str, cfg: RunConfig, data_dir: str | None) -> dict:
         if kind == "reference":
             fit = train.train_reference(cfg, data, Path(tmp), device)
         else:
-            fit = train.train_block(cfg, 0, data, Path(tmp), device)
+            fit = train.train_block(cfg, kind, data, Path(tmp), device)
 
-    # the breakdown comes after the run, so it cannot add to the peak measured above
-    gen = torch.Generator().manual_seed(cfg.train.seed)
-    if kind == "reference":
-        model = Reference(cfg.model)
-        loss_fn = train.reference_loss(model)
-    else:
-        model = DiffusionBlock(cfg.model, cfg.noise.sigma_data)
-        loss_fn = train.block_loss(model, cfg, 0, make_codebook(cfg.model))
+        # the breakdown comes after the run, so it cannot add to the peak measured above
+        gen = torch.Generator().manual_seed(cfg.train.seed)
+        earlier = None
+        if kind == "reference":
+            model = Reference(cfg.model)
+            loss_fn = train.reference_loss(model)
+        else:
+            model, loss_fn, earlier = train.block_trainer(cfg, kind, Path(tmp), device)
     opt = train.make_optimizer(model, cfg)
     windows = random_windows(data, cfg.train.batch, cfg.model.context + 1, gen)
     train.train_step(model, loss_fn, opt, windows, gen, cfg.train.grad_clip)  # AdamW state exists from here
@@ -103,8 +113,10 @@ def measure(kind: str, cfg: RunConfig, data_dir: str | None) -> dict:
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     moments = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
                   if torch.is_tensor(t) and t.dim() > 0)
+    frozen = sum(p.numel() * p.element_size() for b in (earlier.blocks if earlier else []) for p in b.parameters())
     return {
         "runtime_mb": runtime,
+        "frozen_mb": frozen / MIB,
         "before_mb": fit.rss_before_training_mb,
         "peak_mb": fit.peak_rss_mb,
         "training_mb": fit.peak_rss_mb - fit.rss_before_training_mb,
@@ -124,14 +136,15 @@ def run_child(kind: str, cfg: RunConfig, data_dir: str | None) -> dict:
 
 
 def run(preset: str, batches: list[int], steps: int, data_dir: str | None) -> dict:
-    # blocks read noised inputs (method.md, and what a swarm node trains): block 0 alone, no chain
-    preset_cfg = preset_config(preset, ["train.block_input=noised"])
+    preset_cfg = preset_config(preset)
     rows, ideal = [], {}
     for batch in batches:
         base = dataclasses.replace(preset_cfg, train=override(preset_cfg.train, batch=batch, steps=steps, warmup=1))
         measured = {}
-        for name, (kind, model_changes) in TRAINERS.items():
-            cfg = dataclasses.replace(base, model=override(base.model, **model_changes))
+        for name, (kind, model_changes, train_changes) in TRAINERS.items():
+            cfg = dataclasses.replace(base, model=override(base.model, **model_changes),
+                                      train=override(base.train, **train_changes))
+            kind = base.model.n_blocks + kind if isinstance(kind, int) and kind < 0 else kind
             log.info("batch %d: %s ...", batch, name)
             measured[name] = {"trainer": name, "batch": batch, **run_child(kind, cfg, data_dir)}
         ref = measured["reference"]
@@ -149,14 +162,14 @@ def run(preset: str, batches: list[int], steps: int, data_dir: str | None) -> di
 
 def print_table(result: dict) -> None:
     print(f"\ntraining memory, preset {result['preset']} ({result['steps']} steps each, own process; MiB)")
-    head = ("trainer", "batch", "runtime", "before", "peak", "training", "activations", "weights",
+    head = ("trainer", "batch", "runtime", "before", "peak", "training", "activations", "weights", "frozen",
             "peak/ref", "training/ref", "activ./ref")
-    print(f"{head[0]:>16}" + "".join(f"{h:>13}" for h in head[1:]))
+    print(f"{head[0]:>20}" + "".join(f"{h:>13}" for h in head[1:]))
     for r in result["rows"]:
         cells = (r["trainer"], r["batch"], *(f"{r[k]:.0f}" for k in (
             "runtime_mb", "before_mb", "peak_mb", "training_mb", "activations_mb")), f"{r['weights_mb']:.1f}",
-            *(f"{r[k]:.2f}" for k in ("peak_ratio", "training_ratio", "activations_ratio")))
-        print(f"{cells[0]:>16}" + "".join(f"{c:>13}" for c in cells[1:]))
+            f"{r['frozen_mb']:.1f}", *(f"{r[k]:.2f}" for k in ("peak_ratio", "training_ratio", "activations_ratio")))
+        print(f"{cells[0]:>20}" + "".join(f"{c:>13}" for c in cells[1:]))
     for batch, ideal in result["ideal_block_peak_ratio"].items():
         print(f"batch {batch}: a block with exactly 1/{result['config']['model']['n_blocks']} of the reference's "
               f"training memory, on the same runtime, would peak at {ideal:.2f} of the reference")
@@ -165,7 +178,7 @@ def print_table(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # CPU presets: resident memory is what a CPU process holds (on a GPU, quality.py records torch's peak)
-    parser.add_argument("--preset", choices=["ci", "small"], default="small")
+    parser.add_argument("--preset", choices=["ci", "small", "depth"], default="small")
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the preset's, and 4x)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per trainer")
     parser.add_argument("--data", default=None, help="WikiText folder (default: $SPHEROID_DATA)")

@@ -1,14 +1,19 @@
 """Quality benchmark: BlockTrain against its end-to-end references, same data, optimizer and schedule.
 
-Trains, each in its own process (so each trainer's peak memory is its own):
-  - the end-to-end reference, depth n_blocks x layers_per_block, S steps;
-  - the one-block-deep reference (what one worker could train alone), S steps;
-  - the n_blocks blocks, S steps each;
-then evaluates every snapshot on wiki.valid.tokens (the final one also on wiki.valid.raw): the chain
-from pure noise with a clean context at M = 1 and M = 8 draws, block 0 alone, and both references.
-Writes JSON (--out), a PNG of validation CE against training FLOPs, and prints a table.
+Trains, each in its own process (so each trainer's peak memory is its own), S steps each:
+  - four end-to-end references, {plain, two-stream} x {full depth n_blocks x layers_per_block, one
+    block's depth}: the plain causal transformer, and the blocks' own two-stream layout with nothing
+    noisy in it (so a gap measures the training method, not the layout);
+  - the n_blocks blocks in order (block b reads the trained, frozen blocks 0..b-1);
+  - with the preset's refresh_every R > 0, the blocks again, all at once, each reading the newest
+    published snapshots of the earlier blocks every R steps, as a swarm trains them;
+then evaluates on wiki.valid.tokens (the final models also on wiki.valid.raw): the chain from pure
+noise with a clean context at M = 1 and M = 8 draws, block 0 alone, and every reference. The gap is
+measured to the best full-depth reference; what one worker could train alone is the best of the
+one-block-deep references and block 0 alone. Writes JSON (--out), a PNG of validation CE against
+training FLOPs, and prints a table.
 
-    python bench/quality.py --preset ci|small|paper [--out FILE] [--work DIR] [--data DIR] [--device D]
+    python bench/quality.py --preset ci|small|depth|paper [--out FILE] [--work DIR] [--data DIR] [--device D]
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,15 +42,38 @@ log = logging.getLogger("bench.quality")
 PRESETS: dict[str, dict] = {
     # a smoke run for the test suite: minutes on two cores, numbers meaningless
     "ci": {"model": {"d_model": 32, "n_heads": 2, "layers_per_block": 1, "context": 32},
-           "train": {"steps": 40, "batch": 8, "warmup": 10}, "eval_windows": 32, "snapshots": 2, "jobs": 1},
-    # about 30 to 45 minutes on a 2-core CPU
+           "train": {"steps": 40, "batch": 8, "warmup": 10}, "eval_windows": 32, "snapshots": 2, "jobs": 1,
+           "refresh_every": 10},
+    # about 45 minutes on a 2-core CPU
     "small": {"model": {"d_model": 128, "n_heads": 4, "layers_per_block": 2, "context": 128},
-              "train": {"steps": 1000, "batch": 32, "warmup": 100}, "eval_windows": 256, "snapshots": 4, "jobs": 1},
-    # one H100/H200-class GPU; all six trainers share the GPU at once
+              "train": {"steps": 1000, "batch": 32, "warmup": 100}, "eval_windows": 256, "snapshots": 4, "jobs": 1,
+              "refresh_every": 0},
+    # where depth pays on a 2-core CPU within 2 hours: 4 blocks of one layer, so the full-depth
+    # references are 4 layers deep and the one-block-deep ones 1 (no 1-layer model forms the
+    # two-layer circuits, such as induction heads, that a 4-layer one does). Plain references at
+    # these shapes, 3000-step schedule: 4 layers 1.5596 / 1.3341 at steps 1000 / 2000, 1 layer
+    # 1.6082 / 1.4551 (depth worth 0.049, then 0.121)
+    "depth": {"model": {"d_model": 128, "n_heads": 4, "layers_per_block": 1, "context": 128},
+              "train": {"steps": 2000, "batch": 32, "warmup": 200, "lr": 2e-3}, "eval_windows": 256,
+              "snapshots": 4, "jobs": 2, "refresh_every": 100},
+    # one H100/H200-class GPU; all trainers share the GPU at once
     "paper": {"model": {"d_model": 384, "n_heads": 6, "layers_per_block": 2, "context": 256},
-              "train": {"steps": 4000, "batch": 64, "warmup": 200}, "eval_windows": 1024, "snapshots": 4, "jobs": 6},
+              "train": {"steps": 4000, "batch": 64, "warmup": 200}, "eval_windows": 1024, "snapshots": 4, "jobs": 8,
+              "refresh_every": 200},
 }
 DRAWS = 8
+# the references: name -> (checkpoint folder, `spheroid train` flags)
+REFERENCES = {
+    "reference": ("reference", []),
+    "single_block_reference": ("reference_1block", ["--n-blocks", "1"]),
+    "reference_two_stream": ("reference_two_stream", ["--reference-layout", "two_stream"]),
+    "single_block_reference_two_stream": ("reference_two_stream_1block",
+                                          ["--reference-layout", "two_stream", "--n-blocks", "1"]),
+}
+FULL_DEPTH = ("reference", "reference_two_stream")
+ONE_BLOCK_DEEP = ("single_block_reference", "single_block_reference_two_stream")
+# the block schedules: name -> checkpoint folder
+CHAINS = {"ordered": "blocktrain", "concurrent": "blocktrain_concurrent"}
 
 
 def preset_config(name: str, settings: list[str] = ()) -> RunConfig:
@@ -63,20 +93,31 @@ def preset_config(name: str, settings: list[str] = ()) -> RunConfig:
                      train=TrainConfig(**groups["train"]))
 
 
-def run_trainer(args: list[str], log_path: Path) -> None:
-    """One trainer as its own process through the CLI; its log goes to a file and to stderr."""
+def run_trainer(args: list[str], log_path: Path, threads: int) -> subprocess.Popen:
+    """Start one trainer as its own process through the CLI; its log goes to a file."""
     cmd = [sys.executable, "-m", "spheroid", "train", *args]
-    with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in proc.stdout:
-            logf.write(line)
-            sys.stderr.write(line)
-        if proc.wait() != 0:
-            raise RuntimeError(f"trainer failed ({' '.join(cmd)}); see {log_path}")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    logf = open(log_path, "w")  # noqa: SIM115 (closed by wait_for)
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, text=True, env=env)
+    proc.log = logf
+    return proc
 
 
-def train_all(cfg: RunConfig, work: Path, data: str | None, device: str | None, jobs: int, save_every: int) -> dict:
-    """Train the two references and every block, `jobs` processes at a time; returns their metrics."""
+def wait_for(procs: list[subprocess.Popen], logs: list[Path]) -> None:
+    for proc, log_path in zip(procs, logs, strict=True):
+        code = proc.wait()
+        proc.log.close()
+        if code != 0:
+            raise RuntimeError(f"trainer failed ({' '.join(proc.args)}):\n{log_path.read_text()[-3000:]}")
+
+
+def train_all(cfg: RunConfig, work: Path, data: str | None, device: str | None, jobs: int, save_every: int,
+              refresh_every: int) -> dict:
+    """Train the references and the blocks, `jobs` at a time; returns their metrics by run name.
+
+    The blocks in order are one sequence (each reads the ones before it); the blocks all at once
+    start together (each reading the others' published snapshots), counting as one job per block.
+    """
     cfg_file = work / "config.json"
     cfg_file.write_text(cfg.to_json())
     common = ["--config", str(cfg_file), "--save-every", str(save_every)]
@@ -84,26 +125,42 @@ def train_all(cfg: RunConfig, work: Path, data: str | None, device: str | None, 
         common += ["--data", data]
     if device:
         common += ["--device", device]
-    runs = {
-        "reference": ["--reference", "--out", str(work / "reference")],
-        "single_block_reference": ["--reference", "--n-blocks", "1", "--out", str(work / "reference_1block")],
-        **{f"block_{b}": ["--block", str(b), "--out", str(work / "blocktrain")] for b in range(cfg.model.n_blocks)},
-    }
+    runs = {name: ["--reference", "--out", str(work / folder), *flags] for name, (folder, flags) in REFERENCES.items()}
+    n = cfg.model.n_blocks
+    runs.update({f"block_{b}": ["--block", str(b), "--out", str(work / CHAINS["ordered"])] for b in range(n)})
+    groups = [[name] for name in REFERENCES]
+    groups.append([f"block_{b}" for b in range(n)])  # in order: block b reads the trained blocks before it
+    if refresh_every:
+        folder = work / CHAINS["concurrent"]
+        shutil.rmtree(folder, ignore_errors=True)  # snapshots of an earlier run would be read as published
+        runs.update({f"concurrent_block_{b}": ["--block", str(b), "--out", str(folder), "--refresh-every",
+                                               str(refresh_every)] for b in range(n)})
+        groups.append([f"concurrent_block_{b}" for b in range(n)])
     (work / "logs").mkdir(exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // jobs)
+    slots = threading.Semaphore(jobs)
 
     def one(names: list[str]) -> dict:
-        out = {}
-        for name in names:
-            metrics = work / "logs" / f"{name}.metrics.json"
-            run_trainer([*runs[name], *common, "--metrics", str(metrics)], work / "logs" / f"{name}.log")
-            out[name] = json.loads(metrics.read_text())
-        return out
+        """Runs a group: the concurrent blocks all at once, any other group one after another."""
+        together = names[0].startswith("concurrent_")
+        batches = [names] if together else [[name] for name in names]
+        for batch in batches:
+            need = min(len(batch), jobs)
+            for _ in range(need):
+                slots.acquire()
+            try:
+                logs = [work / "logs" / f"{name}.log" for name in batch]
+                procs = [run_trainer([*runs[name], *common, "--metrics", str(work / "logs" / f"{name}.metrics.json")],
+                                     log_path, threads) for name, log_path in zip(batch, logs, strict=True)]
+                log.info("started %s", ", ".join(batch))
+                wait_for(procs, logs)
+                log.info("finished %s", ", ".join(batch))
+            finally:
+                for _ in range(need):
+                    slots.release()
+        return {name: json.loads((work / "logs" / f"{name}.metrics.json").read_text()) for name in names}
 
-    # chain-state training needs the earlier blocks trained first: then the blocks run in order
-    blocks = [n for n in runs if n.startswith("block_")]
-    groups = [[n] for n in runs if n not in blocks]
-    groups += [blocks] if cfg.train.block_input == "chain" else [[n] for n in blocks]
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    with ThreadPoolExecutor(max_workers=len(groups)) as pool:
         return {k: v for done in pool.map(one, groups) for k, v in done.items()}
 
 
@@ -113,39 +170,44 @@ def snapshot(folder: Path, step: int, final_step: int) -> Path:
 
 def evaluate_all(cfg: RunConfig, work: Path, steps: list[int], data: str | None, device: torch.device,
                  windows: int, metrics: dict) -> tuple[list[dict], dict]:
-    """Validation CE of every model at every snapshot, and the final models on the raw split too."""
+    """Validation CE of every model at every snapshot, and the final models on the raw split too.
+
+    A chain trained in order is only the chain as trained at the last step (before it, a block's
+    snapshot read other versions of the blocks before it), so its curve has the last point only;
+    the chain trained all at once is a coherent model at every snapshot.
+    """
     ctx = cfg.model.context
     splits = {v: fixed_windows(load_bytes(data, "valid", v), windows, ctx + 1) for v in ("tokens", "raw")}
-    block_flops = sum(metrics[f"block_{b}"]["flops_per_step"] for b in range(cfg.model.n_blocks))
+    chains = [name for name in CHAINS if (work / CHAINS[name]).exists()]
     curve = []
     for step in steps:
         t0 = time.monotonic()
-        chain, alone = evaluate_chain(snapshot(work / "blocktrain", step, steps[-1]), splits["tokens"], DRAWS, 0,
-                                      device)
-        row = {
-            "step": step,
-            "reference_ce": evaluate_reference(snapshot(work / "reference", step, steps[-1]), splits["tokens"], device),
-            "single_block_reference_ce": evaluate_reference(
-                snapshot(work / "reference_1block", step, steps[-1]), splits["tokens"], device),
-            "blocktrain_ce": chain.ce_one_draw,
-            "blocktrain_ce_m8": chain.ce_averaged,
-            "block0_alone_ce": alone,
-            "reference_flops": metrics["reference"]["flops_per_step"] * step,
-            "single_block_reference_flops": metrics["single_block_reference"]["flops_per_step"] * step,
-            "blocktrain_flops": block_flops * step,
-        }
+        final = step == steps[-1]
+        row: dict = {"step": step}
+        for name, (folder, _) in REFERENCES.items():
+            row[f"{name}_ce"] = evaluate_reference(snapshot(work / folder, step, steps[-1]), splits["tokens"], device)
+            row[f"{name}_flops"] = metrics[name]["flops_per_step"] * step
+        for chain in chains:
+            prefix = "blocktrain" if chain == "ordered" else "concurrent"
+            runs = [f"block_{b}" if chain == "ordered" else f"concurrent_block_{b}" for b in range(cfg.model.n_blocks)]
+            row[f"{prefix}_flops"] = sum(metrics[r]["flops_per_step"] for r in runs) * step
+            if chain == "ordered" and not final:
+                continue
+            ce, alone = evaluate_chain(snapshot(work / CHAINS[chain], step, steps[-1]), splits["tokens"], DRAWS, 0,
+                                       device)
+            row.update({f"{prefix}_ce": ce.ce_one_draw, f"{prefix}_ce_m8": ce.ce_averaged,
+                        f"{prefix}_block0_alone_ce": alone})
         curve.append(row)
-        log.info("eval step %d: reference %.4f, one-block reference %.4f, chain M=1 %.4f, M=%d %.4f, "
-                 "block 0 alone %.4f (%.0fs)", step, row["reference_ce"], row["single_block_reference_ce"],
-                 row["blocktrain_ce"], DRAWS, row["blocktrain_ce_m8"], alone, time.monotonic() - t0)
-    chain, alone = evaluate_chain(work / "blocktrain", splits["raw"], DRAWS, 0, device)
-    raw = {
-        "reference_ce": evaluate_reference(work / "reference", splits["raw"], device),
-        "single_block_reference_ce": evaluate_reference(work / "reference_1block", splits["raw"], device),
-        "blocktrain_ce": chain.ce_one_draw,
-        "blocktrain_ce_m8": chain.ce_averaged,
-        "block0_alone_ce": alone,
-    }
+        log.info("eval step %d: %s (%.0fs)", step, ", ".join(f"{k} {v:.4f}" for k, v in row.items()
+                                                             if k.endswith("_ce") or k.endswith("_m8")),
+                 time.monotonic() - t0)
+    raw = {f"{name}_ce": evaluate_reference(work / folder, splits["raw"], device)
+           for name, (folder, _) in REFERENCES.items()}
+    for chain in chains:
+        prefix = "blocktrain" if chain == "ordered" else "concurrent"
+        ce, alone = evaluate_chain(work / CHAINS[chain], splits["raw"], DRAWS, 0, device)
+        raw.update({f"{prefix}_ce": ce.ce_one_draw, f"{prefix}_ce_m8": ce.ce_averaged,
+                    f"{prefix}_block0_alone_ce": alone})
     return curve, raw
 
 
@@ -156,21 +218,31 @@ def plot(curve: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = [("reference", "reference_flops", "reference_ce"),
-              ("one-block-deep reference", "single_block_reference_flops", "single_block_reference_ce"),
-              ("BlockTrain chain, M = 1", "blocktrain_flops", "blocktrain_ce"),
-              (f"BlockTrain chain, M = {DRAWS}", "blocktrain_flops", "blocktrain_ce_m8")]
+    series = [(label, f"{name}_flops", f"{name}_ce") for name, label in REFERENCE_LABELS.items()]
+    series += [("BlockTrain in order, M = 1", "blocktrain_flops", "blocktrain_ce"),
+               (f"BlockTrain in order, M = {DRAWS}", "blocktrain_flops", "blocktrain_ce_m8"),
+               ("BlockTrain all at once, M = 1", "concurrent_flops", "concurrent_ce")]
     for label, fx, fy in series:
-        ax.plot([r[fx] for r in curve], [r[fy] for r in curve], marker="o", label=label)
+        points = [(r[fx], r[fy]) for r in curve if fy in r]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("training FLOPs (all trainers of the model)")
     ax.set_ylabel("validation CE, nats/byte (wiki.valid.tokens)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+REFERENCE_LABELS = {
+    "reference": "reference, plain, full depth",
+    "reference_two_stream": "reference, two-stream, full depth",
+    "single_block_reference": "reference, plain, one block deep",
+    "single_block_reference_two_stream": "reference, two-stream, one block deep",
+}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -182,8 +254,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"), help="WikiText folder")
     parser.add_argument("--device", default=None, help="torch device (default cuda when present)")
     parser.add_argument("--jobs", type=int, default=None, help="trainer processes at once (default: the preset's)")
+    parser.add_argument("--refresh-every", type=int, default=None,
+                        help="blocks all at once, reading the earlier blocks' snapshots every R steps "
+                             "(default: the preset's; 0 = only in order)")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="GROUP.FIELD=VALUE",
-                        help="change the preset's configuration, e.g. --set model.layout=merged (repeatable)")
+                        help="change the preset's configuration, e.g. --set model.channel=z (repeatable)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -198,60 +273,18 @@ def main(argv: list[str] | None = None) -> dict:
     save_every = steps_total // p["snapshots"]
     steps = [save_every * i for i in range(1, p["snapshots"])] + [steps_total]
     jobs = args.jobs or p["jobs"]
+    refresh = p["refresh_every"] if args.refresh_every is None else args.refresh_every
 
     started = time.monotonic()
-    log.info("preset %s: training 2 references and %d blocks, %d steps each, %d at a time, on %s",
-             args.preset, cfg.model.n_blocks, steps_total, jobs, device)
-    metrics = train_all(cfg, work, args.data, str(device), jobs, save_every)
+    log.info("preset %s: training 4 references and %d blocks (in order%s), %d steps each, %d at a time, on %s",
+             args.preset, cfg.model.n_blocks, f", and all at once reading snapshots every {refresh} steps"
+             if refresh else "", steps_total, jobs, device)
+    metrics = train_all(cfg, work, args.data, str(device), jobs, save_every, refresh)
     train_s = time.monotonic() - started
     curve, raw = evaluate_all(cfg, work, steps, args.data, device, p["eval_windows"], metrics)
-    final = curve[-1]
-    blocks = [metrics[f"block_{b}"] for b in range(cfg.model.n_blocks)]
-    result = {
-        "preset": args.preset,
-        "split": "wiki.valid.tokens",
-        "eval_windows": p["eval_windows"],
-        "eval_bytes": p["eval_windows"] * cfg.model.context,
-        "draws_m8": DRAWS,
-        "reference_ce": final["reference_ce"],
-        "single_block_reference_ce": final["single_block_reference_ce"],
-        "blocktrain_ce": final["blocktrain_ce"],
-        "blocktrain_ce_m8": final["blocktrain_ce_m8"],
-        "block0_alone_ce": final["block0_alone_ce"],
-        "gap": final["blocktrain_ce_m8"] - final["reference_ce"],
-        "gap_to_single_block_reference": final["blocktrain_ce_m8"] - final["single_block_reference_ce"],
-        "raw": raw,
-        "wall_s": {
-            "reference": metrics["reference"]["wall_s"],
-            "single_block_reference": metrics["single_block_reference"]["wall_s"],
-            "blocks": [m["wall_s"] for m in blocks],
-            "blocktrain_sum": sum(m["wall_s"] for m in blocks),
-            "training_total": train_s,
-            "concurrent_trainers": jobs,
-        },
-        "flops": {
-            "reference": final["reference_flops"],
-            "single_block_reference": final["single_block_reference_flops"],
-            "blocktrain": final["blocktrain_flops"],
-            "per_block": [m["flops_per_step"] * steps_total for m in blocks],
-        },
-        "peak_rss_block_mb": max(m["peak_rss_mb"] for m in blocks),
-        "peak_rss_reference_mb": metrics["reference"]["peak_rss_mb"],
-        "peak_gpu_block_mb": max(m["peak_gpu_mb"] for m in blocks),  # torch's allocations; 0 on the CPU
-        "peak_gpu_reference_mb": metrics["reference"]["peak_gpu_mb"],
-        "rss_before_training_block_mb": max(m["rss_before_training_mb"] for m in blocks),
-        "rss_before_training_reference_mb": metrics["reference"]["rss_before_training_mb"],
-        "curve": curve,
-        "config": cfg.to_dict(),
-        "device": str(device),
-        "torch": torch.__version__,
-        "host": platform.node(),
-        "total_s": time.monotonic() - started,
-    }
-    block_train_mb = result["peak_rss_block_mb"] - result["rss_before_training_block_mb"]
-    ref_train_mb = result["peak_rss_reference_mb"] - result["rss_before_training_reference_mb"]
-    result["peak_rss_ratio"] = result["peak_rss_block_mb"] / result["peak_rss_reference_mb"]
-    result["training_rss_ratio"] = block_train_mb / ref_train_mb if ref_train_mb > 0 else None
+    result = summarise(cfg, args.preset, p, curve, raw, metrics, jobs, refresh, train_s)
+    result.update(device=str(device), torch=torch.__version__, host=platform.node(),
+                  total_s=time.monotonic() - started)
     out.write_text(json.dumps(result, indent=2))
     png = out.with_suffix(".png")
     plot(curve, png, f"quality, preset {args.preset}")
@@ -260,30 +293,97 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+def summarise(cfg: RunConfig, preset: str, p: dict, curve: list[dict], raw: dict, metrics: dict, jobs: int,
+              refresh: int, train_s: float) -> dict:
+    """The JSON of a run: the final figures, the best references, the bars' differences, costs."""
+    final = curve[-1]
+    n, steps = cfg.model.n_blocks, cfg.train.steps
+    references = {
+        name: {"ce": final[f"{name}_ce"], "ce_raw": raw[f"{name}_ce"], "params": metrics[name]["params"],
+               "train_flops": metrics[name]["flops_per_step"] * steps, "wall_s": metrics[name]["wall_s"],
+               "peak_rss_mb": metrics[name]["peak_rss_mb"], "peak_gpu_mb": metrics[name]["peak_gpu_mb"],
+               "layout": "two_stream" if name.endswith("two_stream") else "plain",
+               "depth": (1 if name in ONE_BLOCK_DEEP else n) * cfg.model.layers_per_block}
+        for name in REFERENCES
+    }
+    best_full = min(FULL_DEPTH, key=lambda k: references[k]["ce"])
+    best_single = min(ONE_BLOCK_DEEP, key=lambda k: references[k]["ce"])
+    chains = {}
+    for chain, prefix in (("ordered", "blocktrain"), ("concurrent", "concurrent")):
+        if f"{prefix}_ce" not in final:
+            continue
+        blocks = [metrics[f"block_{b}" if chain == "ordered" else f"concurrent_block_{b}"] for b in range(n)]
+        chains[chain] = {
+            "ce": final[f"{prefix}_ce"], "ce_m8": final[f"{prefix}_ce_m8"],
+            "block0_alone_ce": final[f"{prefix}_block0_alone_ce"],
+            "raw": {k: raw[f"{prefix}_{k}"] for k in ("ce", "ce_m8", "block0_alone_ce")},
+            "params": sum(m["params"] for m in blocks), "params_per_block": blocks[0]["params"],
+            "train_flops": sum(m["flops_per_step"] for m in blocks) * steps,
+            "train_flops_per_block": [m["flops_per_step"] * steps for m in blocks],
+            "wall_s": [m["wall_s"] for m in blocks],
+            "peak_rss_mb": max(m["peak_rss_mb"] for m in blocks),
+            "rss_before_training_mb": max(m["rss_before_training_mb"] for m in blocks),
+            "peak_gpu_mb": max(m["peak_gpu_mb"] for m in blocks),
+        }
+    ordered = chains["ordered"]
+    alone_best = min(references[best_single]["ce"], ordered["block0_alone_ce"])
+    result = {
+        "preset": preset,
+        "split": "wiki.valid.tokens",
+        "eval_windows": p["eval_windows"],
+        "eval_bytes": p["eval_windows"] * cfg.model.context,
+        "draws_m8": DRAWS,
+        # the bar's figures: the best full-depth and one-block-deep references, the chain in order
+        "reference_ce": references[best_full]["ce"],
+        "best_reference": best_full,
+        "single_block_reference_ce": references[best_single]["ce"],
+        "best_single_block_reference": best_single,
+        "blocktrain_ce": ordered["ce"],
+        "blocktrain_ce_m8": ordered["ce_m8"],
+        "block0_alone_ce": ordered["block0_alone_ce"],
+        "one_worker_alone_ce": alone_best,
+        "depth_pays": references[best_single]["ce"] - references[best_full]["ce"],
+        "gap": ordered["ce"] - references[best_full]["ce"],
+        "gap_m8": ordered["ce_m8"] - references[best_full]["ce"],
+        "composition": ordered["block0_alone_ce"] - ordered["ce"],
+        "gain_over_one_worker": alone_best - ordered["ce"],
+        "references": references,
+        "chains": chains,
+        "raw": raw,
+        "refresh_every": refresh,
+        "wall_s": {"training_total": train_s, "concurrent_trainers": jobs},
+        "curve": curve,
+        "config": cfg.to_dict(),
+    }
+    if "concurrent" in chains:
+        result["concurrent_ce"] = chains["concurrent"]["ce"]
+        result["concurrent_ce_m8"] = chains["concurrent"]["ce_m8"]
+    plain = references["reference"]
+    result["peak_rss_ratio"] = ordered["peak_rss_mb"] / plain["peak_rss_mb"]
+    return result
+
+
 def print_table(r: dict) -> None:
-    w = r["wall_s"]
-    rows = [
-        ("end-to-end reference", r["reference_ce"], r["raw"]["reference_ce"], w["reference"], r["flops"]["reference"]),
-        ("one-block-deep reference", r["single_block_reference_ce"], r["raw"]["single_block_reference_ce"],
-         w["single_block_reference"], r["flops"]["single_block_reference"]),
-        ("BlockTrain chain, M = 1", r["blocktrain_ce"], r["raw"]["blocktrain_ce"], w["blocktrain_sum"],
-         r["flops"]["blocktrain"]),
-        (f"BlockTrain chain, M = {r['draws_m8']}", r["blocktrain_ce_m8"], r["raw"]["blocktrain_ce_m8"],
-         w["blocktrain_sum"], r["flops"]["blocktrain"]),
-        ("block 0 alone (sigma_max)", r["block0_alone_ce"], r["raw"]["block0_alone_ce"], w["blocks"][0],
-         r["flops"]["per_block"][0]),
-    ]
-    print(f"\n{'model':<28} {'CE valid.tokens':>15} {'CE valid.raw':>13} {'train s':>9} {'train FLOPs':>12}")
-    for name, ce, ce_raw, wall, flops in rows:
-        print(f"{name:<28} {ce:>15.4f} {ce_raw:>13.4f} {wall:>9.1f} {flops:>12.3e}")
-    print(f"gap (M = {r['draws_m8']} minus reference): {r['gap']:+.4f} nats/byte")
-    print(f"peak RSS: block worker {r['peak_rss_block_mb']:.0f} MiB, reference trainer "
-          f"{r['peak_rss_reference_mb']:.0f} MiB (ratio {r['peak_rss_ratio']:.2f}; above the "
-          f"{r['rss_before_training_reference_mb']:.0f} MiB held before training: "
-          f"{r['training_rss_ratio'] or float('nan'):.2f})")
-    if r["peak_gpu_reference_mb"]:
-        print(f"peak GPU memory: block worker {r['peak_gpu_block_mb']:.0f} MiB, reference trainer "
-              f"{r['peak_gpu_reference_mb']:.0f} MiB (ratio {r['peak_gpu_block_mb'] / r['peak_gpu_reference_mb']:.2f})")
+    print(f"\n{'model':<40} {'CE valid.tokens':>15} {'CE valid.raw':>13} {'params':>9} {'train s':>9} "
+          f"{'train FLOPs':>12}")
+    for name, label in REFERENCE_LABELS.items():
+        ref = r["references"][name]
+        label = f"{label} ({ref['depth']} layers)"
+        print(f"{label:<40} {ref['ce']:>15.4f} {ref['ce_raw']:>13.4f} {ref['params']:>9d} {ref['wall_s']:>9.1f} "
+              f"{ref['train_flops']:>12.3e}")
+    for chain, c in r["chains"].items():
+        what = "in order" if chain == "ordered" else f"all at once (R = {r['refresh_every']})"
+        wall = " + ".join(f"{w:.0f}" for w in c["wall_s"])
+        for label, ce, ce_raw in ((f"chain {what}, M = 1", c["ce"], c["raw"]["ce"]),
+                                  (f"chain {what}, M = {r['draws_m8']}", c["ce_m8"], c["raw"]["ce_m8"]),
+                                  (f"  its block 0 alone", c["block0_alone_ce"], c["raw"]["block0_alone_ce"])):
+            print(f"{label:<40} {ce:>15.4f} {ce_raw:>13.4f} {c['params']:>9d} {wall:>9} {c['train_flops']:>12.3e}")
+    print(f"\ndepth pays (best one-block-deep minus best full-depth reference): {r['depth_pays']:+.4f}")
+    print(f"the blocks compose (block 0 alone minus chain, M = 1): {r['composition']:+.4f}")
+    print(f"chain (M = 1) minus the best full-depth reference ({r['best_reference']}): {r['gap']:+.4f}")
+    print(f"one worker alone (best of one-block-deep references, block 0) minus chain: {r['gain_over_one_worker']:+.4f}")
+    print(f"peak RSS: block worker {r['chains']['ordered']['peak_rss_mb']:.0f} MiB, plain full-depth reference "
+          f"{r['references']['reference']['peak_rss_mb']:.0f} MiB (ratio {r['peak_rss_ratio']:.2f})")
 
 
 if __name__ == "__main__":

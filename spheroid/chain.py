@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as fn
 
 from .config import NoiseConfig
-from .model import DiffusionBlock, KVCache
+from .model import CleanStream, DiffusionBlock
 from .noise import band, sigma_grid
 
 
@@ -24,6 +24,19 @@ def gaussian(shape: tuple[int, ...], generator: torch.Generator | None, device: 
     """N(0, 1) noise drawn from `generator` (on its own device; the global RNG if None), placed on device."""
     where = generator.device if generator is not None else device
     return torch.randn(shape, generator=generator, device=where).to(device)
+
+
+Streams = dict[int, CleanStream]  # block index -> its clean stream over the context
+
+
+@torch.no_grad()
+def encode_context(blocks: Sequence[DiffusionBlock], x: torch.Tensor, streams: Streams | None = None) -> Streams:
+    """Each block's clean stream over x (B, L), in order: with the relay channel each one starts from
+    the stream of the block before it. Done once per context; every Euler step then reads it."""
+    streams = {} if streams is None else streams
+    for b, block in enumerate(blocks):
+        block.encode(x, streams.setdefault(b, CleanStream(len(block.net.layers))), streams.get(b - 1))
+    return streams
 
 
 @torch.no_grad()
@@ -37,17 +50,20 @@ def chain_state(
     steps: int | None = None,
     start: int = 0,
     chunk: int | None = None,
+    streams: Streams | None = None,
 ) -> torch.Tensor:
     """z after the first `steps` grid steps (all of them by default) from z = sigma_max * eps.
 
     x: (B, L) clean context. Step i is taken by block i // steps_per_block, so with one step per
     block each block runs once. With churn > 0 (a stochastic sampler, as EDM's) each step first
     re-injects fresh noise up to sigma_hat = sigma * (1 + churn). Returns z (B, n_noisy, d).
+    `streams` receives the clean streams of the blocks that ran (for the read-off, or a relay).
     """
     grid = sigma_grid(noise, len(blocks))
     steps = len(grid) - 1 if steps is None else steps
     z = grid[0].item() * gaussian((x.shape[0], n_noisy, codebook.shape[1]), generator, codebook.device)
-    return euler_steps(dict(enumerate(blocks)), noise, grid, codebook, x, z, range(steps), generator, start, chunk)
+    return euler_steps(dict(enumerate(blocks)), noise, grid, codebook, x, z, range(steps), generator, start, chunk,
+                       streams)
 
 
 @torch.no_grad()
@@ -62,24 +78,28 @@ def euler_steps(
     generator: torch.Generator | None = None,
     start: int = 0,
     chunk: int | None = None,
-    caches: dict[int, list[KVCache]] | None = None,
+    streams: Streams | None = None,
 ) -> torch.Tensor:
     """Grid steps `steps` of the chain on z, each by the block that owns it (blocks: index -> block).
 
     A serving node holding some of the blocks runs its share of the steps with this, so a pipeline
-    of nodes computes exactly what `chain_state` computes on one machine; `caches` (per block) keep
-    the clean stream of a session between calls.
+    of nodes computes exactly what `chain_state` computes on one machine. Each block's clean stream
+    is computed at its first step and kept in `streams` (per block; a serving session keeps them
+    between calls, so only new bytes are computed); a block reading the relay channel reads the
+    stream of the block before it there.
     """
     b, levels = z.shape[0], grid.tolist()
+    streams = {} if streams is None else streams
     for i in steps:
         sigma = levels[i]
         if noise.churn > 0 and i > 0:
             sigma_hat = min(sigma * (1 + noise.churn), noise.sigma_max)
             z = z + (sigma_hat**2 - sigma**2) ** 0.5 * gaussian(tuple(z.shape), generator, codebook.device)
             sigma = sigma_hat
-        block = blocks[i // noise.steps_per_block]
-        cache = caches.get(i // noise.steps_per_block) if caches else None
-        logits = block(x, z, torch.full((b,), sigma, device=x.device), start, chunk, cache)
+        index = i // noise.steps_per_block
+        stream = streams.setdefault(index, CleanStream(len(blocks[index].net.layers)))
+        logits = blocks[index](x, z, torch.full((b,), sigma, device=x.device), start, chunk, stream,
+                               streams.get(index - 1))
         d_hat = fn.softmax(logits.float(), dim=-1) @ codebook  # expected clean embedding
         z = z + (levels[i + 1] - sigma) * (z - d_hat) / sigma
     return z
@@ -97,9 +117,11 @@ def denoise(
     chunk: int | None = None,
 ) -> torch.Tensor:
     """Run the whole chain from pure noise; the last block reads off the final logits (B, n_noisy, V)."""
-    z = chain_state(blocks, noise, codebook, x, n_noisy, generator, None, start, chunk)
+    streams: Streams = {}
+    z = chain_state(blocks, noise, codebook, x, n_noisy, generator, None, start, chunk, streams)
+    last = len(blocks) - 1
     sigma_min = torch.full((x.shape[0],), noise.sigma_min, device=x.device)
-    return blocks[-1](x, z, sigma_min, start, chunk).float()
+    return blocks[last](x, z, sigma_min, start, chunk, streams[last], streams.get(last - 1)).float()
 
 
 @dataclass(frozen=True)
@@ -199,6 +221,7 @@ def score_bound(
         w = windows[i : i + batch].to(codebook.device)
         x, y = w[:, :-1], w[:, 1:]
         e = codebook[y]  # (b, T, d)
+        streams = encode_context(blocks, x)
         prior += (e.pow(2).sum(-1) / (2 * noise.sigma_max**2)).sum().item()
         for b, block in enumerate(blocks):
             lo, hi = band(noise, n_blocks, b)
@@ -207,12 +230,15 @@ def score_bound(
                 u = torch.rand((), generator=generator, device=generator.device).item()
                 sigma = math.exp(math.log(lo) + (k + u) * width)
                 z = e + sigma * gaussian(e.shape, generator, e.device)
-                logits = block(x, z, torch.full((x.shape[0],), sigma, device=x.device))
+                logits = block(x, z, torch.full((x.shape[0],), sigma, device=x.device), 0, None, streams[b],
+                               streams.get(b - 1))
                 d_hat = fn.softmax(logits.float(), dim=-1) @ codebook
                 # ds = sigma * d(log sigma), so the integrand times ds is ||e - D||^2 / sigma^2 * width
                 diffusion += ((e - d_hat).pow(2).sum(-1) / sigma**2 * width).sum().item()
         z = e + noise.sigma_min * gaussian(e.shape, generator, e.device)
-        logits = blocks[-1](x, z, torch.full((x.shape[0],), noise.sigma_min, device=x.device)).float()
+        last = n_blocks - 1
+        sigma_min = torch.full((x.shape[0],), noise.sigma_min, device=x.device)
+        logits = blocks[last](x, z, sigma_min, 0, None, streams[last], streams.get(last - 1)).float()
         recon += fn.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
         count += y.numel()
     return BoundScore(prior / count, diffusion / count, recon / count)

@@ -41,6 +41,7 @@ class Entry:
     config: RunConfig
     state: dict[str, Any]
     tensors: dict[str, torch.Tensor]
+    sha256: str  # of the weights file: which version of the module this is
 
 
 def block_name(block: int) -> str:
@@ -122,7 +123,7 @@ def load(folder: str | os.PathLike, name: str) -> Entry:
         tensors = load_safetensors(blob)
     except SafetensorError as exc:
         raise CheckpointError(f"{weights} is not a valid safetensors file: {exc}") from exc
-    return Entry(name, config, record.get("state", {}), tensors)
+    return Entry(name, config, record.get("state", {}), tensors, actual)
 
 
 def block_indices(folder: str | os.PathLike) -> list[int]:
@@ -148,6 +149,32 @@ def load_blocks(folder: str | os.PathLike) -> list[Entry]:
     for e in entries[1:]:
         require_same_model(e, first, folder, "block-0")
     return entries
+
+
+def require_versions_read(entries: list[Entry], folder: str | os.PathLike) -> None:
+    """Refuse blocks that were trained against other versions of the earlier blocks than the folder holds.
+
+    A block records the versions it read (`state["reads"]`: sha256 and step per earlier block). Blocks
+    trained in order read fixed versions, which must be the ones here; blocks trained all at once
+    (refresh_every > 0) read snapshots, and the folder must hold the same or a later step of each.
+    """
+    held = {e.name: e for e in entries}
+    for entry in entries:
+        refreshed = entry.config.train.refresh_every > 0
+        for name, read in (entry.state.get("reads") or {}).items():
+            other = held.get(name)
+            if other is None:
+                continue
+            if refreshed and int(other.state.get("step", 0)) >= int(read.get("step", 0)):
+                continue
+            if not refreshed and other.sha256 == read.get("sha256"):
+                continue
+            found = f"step {other.state.get('step', '?')}, sha256 {other.sha256[:12]}"
+            wanted = f"step {read.get('step', '?')}, sha256 {str(read.get('sha256'))[:12]}"
+            raise CheckpointError(
+                f"{entry.name} in {folder} was trained against {name} at {wanted}, but the folder holds {found}: "
+                f"retrain {entry.name} (and the blocks after it) on this {name}, or restore the {name} it read"
+            )
 
 
 def require_same_model(entry: Entry, cfg: RunConfig, folder: str | os.PathLike, other: str) -> None:

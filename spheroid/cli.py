@@ -114,6 +114,16 @@ def run_config_options(func):
         click.option("--layout", "model__layout", type=click.Choice(["concat", "merged"]),
                      help="Block token layout: concat ([clean | noisy], any K; the default) or merged (one token "
                           "per byte, K = 1 only: half the activation memory, no sweep decoding or serving)."),
+        click.option("--channel", "model__channel", type=click.Choice(["relay", "z"]),
+                     help="What a block reads of the blocks before it besides z: relay (its clean stream starts "
+                          "from the previous block's, so the stack computes its full depth on the context; the "
+                          "default of `train`) or z only (method.md; what swarm nodes train)."),
+        click.option("--reference-layout", "model__reference_layout", type=click.Choice(["plain", "two_stream"]),
+                     help="--reference only: a plain causal transformer, or the blocks' two streams (a clean "
+                          "stream, and a query token per position reading it)."),
+        click.option("--refresh-every", "train__refresh_every", type=int,
+                     help="Train all blocks at once: publish this block into --out and reload the earlier blocks' "
+                          "newest snapshots every R steps (genesis states until they appear); 0 = in order."),
         click.option("--p-mean", "noise__p_mean", type=float),
         click.option("--p-std", "noise__p_std", type=float),
         click.option("--sigma-min", "noise__sigma_min", type=float),
@@ -423,6 +433,7 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
         work = None
         if block is not None:
             overrides["train__block_input"] = overrides.get("train__block_input") or "noised"
+            overrides["model__channel"] = overrides.get("model__channel") or "z"
             run = load_config(config_file, **overrides)
             averaging = AveragingConfig(every=every, codec=codec, lz4=lz4, wait=wait, outer=outer, outer_lr=outer_lr,
                                         outer_momentum=outer_momentum)

@@ -35,6 +35,14 @@ class ModelConfig:
     # carries the chain's own state, not a noisy truth, and through the skip it reached the head
     # unfiltered; see docs/compose.md
     edm_skip: bool = False
+    # what block b reads of the blocks before it besides z: "relay" = its clean stream starts from
+    # block b-1's clean-stream output (frozen copies, forward only), so the stack computes
+    # n_blocks x layers_per_block deep on the context; "z" = nothing (each block re-reads the raw
+    # bytes: an ensemble, not depth; method.md's setting). See docs/compose.md
+    channel: str = "relay"
+    # the end-to-end reference's layout: "plain" (a causal transformer) or "two_stream" (the blocks'
+    # clean stream plus one query token per position, nothing noisy); ignored by blocks
+    reference_layout: str = "plain"
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads:
@@ -47,6 +55,12 @@ class ModelConfig:
             raise ValueError(f"layout must be 'concat' or 'merged', got {self.layout!r}")
         if self.layout == "merged" and self.chunk != 1:
             raise ValueError("the merged layout has K = 1; use layout 'concat' for chunks")
+        if self.channel not in ("relay", "z"):
+            raise ValueError(f"channel must be 'relay' or 'z', got {self.channel!r}")
+        if self.channel == "relay" and self.layout == "merged" and self.n_blocks > 1:
+            raise ValueError("the merged layout has no clean stream to relay: use channel 'z' with it")
+        if self.reference_layout not in ("plain", "two_stream"):
+            raise ValueError(f"reference_layout must be 'plain' or 'two_stream', got {self.reference_layout!r}")
         if self.n_blocks < 1 or self.layers_per_block < 1:
             raise ValueError("n_blocks and layers_per_block must be at least 1")
 
@@ -91,8 +105,14 @@ class TrainConfig:
     # default, a change of method measured in docs/compose.md: the worker of block b also holds
     # blocks 0..b-1, forward only, and still updates block b alone)
     block_input: str = "chain"
+    # blocks trained all at once (as a swarm trains them): every R steps a block trainer publishes its
+    # block and reloads the newest published snapshots of the earlier blocks it reads (before the
+    # first, their genesis states); 0 = the earlier blocks are trained first and stay fixed
+    refresh_every: int = 0
 
     def __post_init__(self) -> None:
+        if self.refresh_every < 0:
+            raise ValueError(f"refresh_every must be >= 0, got {self.refresh_every}")
         if self.block_input not in ("noised", "chain"):
             raise ValueError(f"block_input must be 'noised' or 'chain', got {self.block_input!r}")
         if self.steps < 0 or self.batch < 1 or self.lr <= 0:  # 0 steps: a swarm node that only holds its block
@@ -112,8 +132,11 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        model = data.get("model", {})
+        if isinstance(model, dict) and "channel" not in model:
+            model = {**model, "channel": "z"}  # written before the relay channel existed: z only
         return cls(
-            model=_build(ModelConfig, data.get("model", {})),
+            model=_build(ModelConfig, model),
             noise=_build(NoiseConfig, data.get("noise", {})),
             train=_build(TrainConfig, data.get("train", {})),
         )

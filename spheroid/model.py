@@ -1,8 +1,9 @@
 """The models: one self-contained diffusion block, the end-to-end reference, and the shared codebook.
 
-Read top-down: the codebook, the attention mask of the clean/noisy layout, the transformer layer
-(optionally modulated by the noise level, AdaLN-style), the noise-level embedding, the block's
-network F, the EDM preconditioning wrapper around it, and the plain causal reference.
+Read top-down: the codebook, the attention mask of the clean/noisy layout, the caches of a clean
+stream, the transformer layer (optionally modulated by the noise level, AdaLN-style), the
+noise-level embedding, the block's network F, the EDM preconditioning wrapper around it, and the
+end-to-end references (plain causal, and two-stream like the blocks).
 
 Shapes: B batch, L clean context bytes, N noisy target positions, d model width, V = 256.
 """
@@ -92,6 +93,26 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+
+
+class CleanStream:
+    """One block's clean stream over a prefix of the context: each layer's keys and values (which the
+    noisy tokens read) and the stream's output (which the next block starts from, with the relay
+    channel). Computed once per context and reused by every Euler step of the block; serving keeps
+    one per session so that a traversal computes only the new bytes."""
+
+    def __init__(self, n_layers: int) -> None:
+        self.kv = [KVCache() for _ in range(n_layers)]
+        self.out: torch.Tensor | None = None  # (B, seen, d)
+
+    @property
+    def seen(self) -> int:
+        return 0 if self.out is None else self.out.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        own = 0 if self.out is None else self.out.numel() * self.out.element_size()
+        return own + sum(c.nbytes for c in self.kv)
 
 
 class Attention(nn.Module):
@@ -187,50 +208,69 @@ class BlockNet(nn.Module):
         self.out = nn.Linear(d, d)
         self.layout = cfg.layout
 
+    def encode(self, x: torch.Tensor, stream: CleanStream, relay: torch.Tensor | None) -> None:
+        """Extend `stream` over the bytes of x (B, L) it has not seen: a plain causal pass whose keys
+        and values each layer keeps, and whose output the stream keeps.
+
+        relay: (B, L, d) the previous block's clean-stream output for the same bytes (channel
+        "relay", blocks after the first): this block's clean stream starts from it, so block b
+        computes on the context 2 x (b + 1) layers deep instead of re-reading the raw bytes.
+        """
+        seen, n_clean = stream.seen, x.shape[1]
+        if seen >= n_clean:
+            return
+        h = self.tok_emb(x[:, seen:]) + self.pos_emb[seen:n_clean]  # (B, L - seen, d)
+        if relay is not None:
+            h = h + relay[:, seen:n_clean]
+        for layer, kv in zip(self.layers, stream.kv, strict=True):
+            h = layer(h, None, self.clean_cond, cache=kv)  # causal; its keys and values join kv
+        stream.out = h if stream.out is None else torch.cat([stream.out, h], dim=1)
+
     def forward(
         self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int, chunk: int,
-        cache: list[KVCache] | None = None,
+        stream: CleanStream | None = None, relay: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """z_in: (B, N, d) scaled noisy targets of positions start..start+N-1; x: (B, L) clean bytes.
 
         The concat layout runs as two streams, which computes exactly the masked [clean | noisy]
         sequence of `attention_mask`: clean tokens attend only to clean tokens, causally, so the
-        clean stream is a plain causal pass whose keys and values each layer keeps; the noisy tokens
-        then read those and attend within their own chunk (the noisy rows of the mask). Each stream
-        carries one condition broadcast over its tokens (a learned one for clean tokens, the noise
-        level's for noisy ones) instead of one per token. Against one masked sequence this keeps a
-        quarter fewer activations for backward and trains faster (figures in README, "The model").
+        clean stream is a plain causal pass (`encode`) whose keys and values each layer keeps; the
+        noisy tokens then read those and attend within their own chunk (the noisy rows of the mask).
+        Each stream carries one condition broadcast over its tokens (a learned one for clean tokens,
+        the noise level's for noisy ones) instead of one per token. Against one masked sequence this
+        keeps a quarter fewer activations for backward and trains faster (README, "The model").
 
-        `cache` (serving): one KVCache per layer already holding the clean stream of a prefix of x;
-        only the bytes it has not seen are computed and added, so later calls (one new byte per
-        traversal in autoregressive decoding) reuse it. Without one, the streams use a fresh cache.
+        `stream`: this block's clean stream, extended here to cover x (a fresh one if None), so the
+        Euler steps of one traversal, and a serving session's traversals, compute it once.
+        `relay`: the previous block's clean-stream output (B, L, d), for the relay channel.
         """
         n_clean, n_noisy = x.shape[1], z_in.shape[1]
         if start + n_noisy > self.pos_emb.shape[0]:
             raise ValueError(f"positions up to {start + n_noisy} exceed the context of {self.pos_emb.shape[0]}")
         if self.layout == "merged":
-            return self.forward_merged(z_in, c_noise, x, start, chunk)
-        if cache is None:
-            cache = [KVCache() for _ in self.layers]
-        seen = 0 if cache[0].k is None else cache[0].k.shape[2]
-        clean = self.tok_emb(x[:, seen:]) + self.pos_emb[seen:n_clean]  # (B, L - seen, d)
+            return self.forward_merged(z_in, c_noise, x, start, chunk, relay)
+        stream = stream or CleanStream(len(self.layers))
+        self.encode(x, stream, relay)
         # each noisy token also carries the last clean byte its chunk may see (its anchor), so the
-        # nearest context is at hand from the first step instead of having to be found by attention
+        # nearest context is at hand from the first step instead of having to be found by attention;
+        # with the relay channel, also the previous block's clean-stream output there
         anchor = start + (torch.arange(n_noisy, device=x.device) // chunk) * chunk  # (N,)
         noisy = self.noisy_in(z_in) + self.tok_emb(x[:, anchor]) + self.pos_emb[start : start + n_noisy]  # (B, N, d)
+        if relay is not None:
+            noisy = noisy + relay[:, anchor]
         noisy_cond = self.noise_emb(c_noise)[:, None, :]  # (B, 1, d)
         mask = noisy_rows(n_clean, n_noisy, start, chunk, x.device)  # (N, L + N)
-        for layer, kv in zip(self.layers, cache, strict=True):
-            if clean.shape[1]:
-                clean = layer(clean, None, self.clean_cond, cache=kv)  # causal; its keys and values join kv
+        for layer, kv in zip(self.layers, stream.kv, strict=True):
             noisy = layer(noisy, mask, noisy_cond, memory=kv)
         return self.readout(noisy, noisy_cond)  # (B, N, d)
 
     def forward_merged(self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int,
-                       chunk: int) -> torch.Tensor:
+                       chunk: int, relay: torch.Tensor | None) -> torch.Tensor:
         if chunk != 1 or start != 0 or z_in.shape[1] != x.shape[1]:
             raise ValueError("the merged layout denoises every position of its context at once, with K = 1; "
                              "train with --layout concat for chunks")
+        if relay is not None:
+            raise ValueError("the merged layout has no clean stream to relay; use --channel z with it")
         h = self.tok_emb(x) + self.noisy_in(z_in) + self.pos_emb[: x.shape[1]]  # (B, T, d): x_i and z_i
         cond = self.noise_emb(c_noise)[:, None, :]  # (B, 1, d), broadcast over positions
         for layer in self.layers:
@@ -248,10 +288,13 @@ class DiffusionBlock(nn.Module):
     D = c_skip * z + c_out * F(c_in * z, c_noise, context);  logits = head(D).
     """
 
-    def __init__(self, cfg: ModelConfig, sigma_data: float) -> None:
+    def __init__(self, cfg: ModelConfig, sigma_data: float, index: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.sigma_data = sigma_data
+        self.index = index
+        # the relay channel: every block after the first starts from its predecessor's clean stream
+        self.reads_relay = cfg.channel == "relay" and index > 0
         self.net = BlockNet(cfg)
         self.head_norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab)
@@ -277,26 +320,48 @@ class DiffusionBlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, z: torch.Tensor, sigma: torch.Tensor, start: int = 0, chunk: int | None = None,
-        cache: list[KVCache] | None = None,
+        stream: CleanStream | None = None, previous: CleanStream | None = None,
     ) -> torch.Tensor:
         """x: (B, L) clean bytes; z: (B, N, d) noisy targets; sigma: (B,). Returns logits (B, N, V).
 
-        `cache` (serving): one KVCache per layer holding the clean stream of a prefix of x."""
+        `stream`: this block's clean stream (extended to cover x here); `previous`: the previous
+        block's, covering x, which a block reading the relay channel needs (`encode_context`)."""
         c_skip, c_out, c_in, c_noise = self.coefficients(sigma.float(), self.sigma_data, self.cfg.edm_skip)
         c_skip, c_out, c_in = (c[:, None, None] for c in (c_skip, c_out, c_in))
-        f = self.net(c_in * z, c_noise, x, start, chunk or self.cfg.chunk, cache)
+        f = self.net(c_in * z, c_noise, x, start, chunk or self.cfg.chunk, stream, self.relay_from(previous, x))
         return self.head(self.head_norm(c_skip * z + c_out * f))
+
+    def encode(self, x: torch.Tensor, stream: CleanStream, previous: CleanStream | None = None) -> None:
+        """Extend this block's clean stream over x (B, L); `previous` as for forward."""
+        self.net.encode(x, stream, self.relay_from(previous, x))
+
+    def relay_from(self, previous: CleanStream | None, x: torch.Tensor) -> torch.Tensor | None:
+        """What this block reads of its predecessor: its clean-stream output over x, or nothing."""
+        if not self.reads_relay:
+            return None
+        if previous is None or previous.seen < x.shape[1]:
+            raise ValueError(f"block {self.index} starts from block {self.index - 1}'s clean stream (channel "
+                             "'relay'): run it in the chain, after the blocks before it")
+        return previous.out
 
 
 class Reference(nn.Module):
-    """The end-to-end baseline: a plain causal transformer on clean bytes, next-byte CE.
+    """The end-to-end baseline, next-byte CE, in one of two layouts (ModelConfig.reference_layout):
 
-    Depth is n_blocks * layers_per_block, the total depth of the BlockTrain model it is compared with.
+      - "plain": a causal transformer on the clean bytes;
+      - "two_stream": the blocks' layout with nothing noisy in it: a clean causal stream that only
+        supplies keys and values, and one query token per target position (its byte x_p and its
+        position, as a block's noisy token carries its anchor) that reads them up to p and predicts
+        y_p. So a gap between BlockTrain and this reference measures the training, not the layout.
+
+    Depth is n_blocks * layers_per_block, the total depth of the BlockTrain model it is compared
+    with (n_blocks = 1: the depth of one block).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         d = cfg.d_model
+        self.two_stream = cfg.reference_layout == "two_stream"
         self.tok_emb = nn.Embedding(cfg.vocab, d)
         self.pos_emb = nn.Parameter(torch.zeros(cfg.context, d))
         depth = cfg.n_blocks * cfg.layers_per_block
@@ -307,10 +372,18 @@ class Reference(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T) bytes -> logits (B, T, V) for the byte after each position."""
-        h = self.embed(x, 0)
+        h = self.embed(x, 0)  # (B, T, d)
+        if not self.two_stream:
+            for layer in self.layers:
+                h = layer(h, None)
+            return self.head(self.norm(h))
+        query, n = h, x.shape[1]  # query token p: x_p at position p
+        mask = noisy_rows(n, n, 0, 1, x.device)  # (T, 2T): clean bytes up to p, and itself
         for layer in self.layers:
-            h = layer(h, None)
-        return self.head(self.norm(h))
+            kv = KVCache()
+            h = layer(h, None, cache=kv)
+            query = layer(query, mask, memory=kv)
+        return self.head(self.norm(query))
 
     def embed(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Bytes at positions start.. -> the first layer's input (B, T, d)."""

@@ -2,7 +2,8 @@
 
 Both trainers share one loop (`fit`): random byte windows, AdamW with warm-up and cosine decay,
 gradient clipping, progress logs and periodic checkpoints. They differ only in the loss. A block
-trainer builds and holds exactly one block: no other block's parameters are ever in memory.
+trainer trains exactly one block; it may read frozen copies of the blocks before it (chain states,
+the relay channel), forward only, and no gradient ever crosses a block boundary.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from safetensors.torch import save as save_safetensors
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import checkpoint
-from .chain import BoundScore, ChainScore, chain_state, score, score_block_alone, score_bound
+from .chain import BoundScore, ChainScore, Streams, chain_state, encode_context, score, score_block_alone, score_bound
 from .config import NoiseConfig, RunConfig
 from .data import random_windows
 from .model import DiffusionBlock, Reference, make_codebook, parameter_count
@@ -65,8 +66,11 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
 
 
-def block_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook: torch.Tensor) -> LossFn:
-    """The DiffusionBlocks loss of one block: weighted CE of head(D) over its widened noise band."""
+def block_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook: torch.Tensor,
+               earlier: list[DiffusionBlock] = ()) -> LossFn:
+    """The DiffusionBlocks loss of one block: weighted CE of head(D) over its widened noise band.
+
+    With the relay channel the frozen `earlier` blocks compute the clean streams it starts from."""
     lo, hi = training_band(cfg.noise, cfg.model.n_blocks, index)
 
     def loss(windows: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:
@@ -75,7 +79,8 @@ def block_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook: torc
         eps = torch.randn(*y.shape, codebook.shape[1], device=x.device)  # global RNG, seeded per run
         z = codebook[y] + sigma[:, None, None] * eps  # (B, T, d)
         with autocast(x.device):
-            logits = block(x, z, sigma)
+            streams = encode_context(earlier, x) if block.reads_relay else {}
+            logits = block(x, z, sigma, previous=streams.get(index - 1))
         ce = fn.cross_entropy(logits.float().transpose(1, 2), y, reduction="none").mean(dim=1)  # (B,)
         return (loss_weight(sigma, cfg.noise.sigma_data) * ce).mean(), ce.mean().item()
 
@@ -99,9 +104,13 @@ def chain_state_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook
     def loss(windows: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:
         x, y = windows[:, :-1], windows[:, 1:]
         level = levels[int(torch.randint(len(levels), (1,), generator=gen))]
+        streams: Streams = {}
         with autocast(x.device):
-            z = chain_state(stack, cfg.noise, codebook, x, x.shape[1], None, steps=level)
-            logits = block(x, z.float(), torch.full((x.shape[0],), grid[level], device=x.device))
+            z = chain_state(stack, cfg.noise, codebook, x, x.shape[1], None, steps=level, streams=streams)
+            if block.reads_relay:  # the frozen blocks' streams, also where the chain has not run them
+                encode_context(earlier, x, streams)
+            sigma = torch.full((x.shape[0],), grid[level], device=x.device)
+            logits = block(x, z.float(), sigma, previous=streams.get(index - 1))  # its own stream, with gradient
         ce = fn.cross_entropy(logits.float().transpose(1, 2), y)
         return ce, ce.item()
 
@@ -134,6 +143,7 @@ class FitResult:
     peak_rss_mb: float
     rss_before_training_mb: float
     peak_gpu_mb: float  # torch's peak allocated device memory; 0 on the CPU
+    params: int  # of the model trained (not of the frozen blocks it reads)
 
 
 def fit(
@@ -146,11 +156,13 @@ def fit(
     state_extra: dict | None = None,
     save_every: int = 0,
     log_every: int = 50,
+    after_step: Callable[[int, float], None] | None = None,
 ) -> FitResult:
     """Train `model` for cfg.train.steps on random windows of `data`; checkpoint into `out`.
 
     Every `save_every` steps a snapshot goes to out/steps/<step>/ (for learning curves); the final
     weights go to out/. FLOPs of one step are counted once, at the first step, by torch's counter.
+    `after_step(done, loss)` runs after every step (a block trainer publishes and refreshes there).
     """
     device = next(model.parameters()).device
     t = cfg.train
@@ -184,11 +196,14 @@ def fit(
         if save_every and done % save_every == 0 and done < t.steps:
             state = {"step": done, "loss": loss_value, "ce": ce_value, **(state_extra or {})}
             checkpoint.save(out / "steps" / f"{done:06d}", name, model, cfg, state)
+        if after_step:
+            after_step(done, loss_value)
     wall = time.monotonic() - started
     state = {"step": t.steps, "loss": loss_value, "ce": ce_value, "wall_s": wall, **(state_extra or {})}
     checkpoint.save(out, name, model, cfg, state)
     gpu = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
-    return FitResult(wall, flops_per_step, loss_value, ce_value, peak_rss_mb(), rss_before, gpu)
+    return FitResult(wall, flops_per_step, loss_value, ce_value, peak_rss_mb(), rss_before, gpu,
+                     parameter_count(model))
 
 
 def train_step(
@@ -203,25 +218,118 @@ def train_step(
     return loss.item(), ce
 
 
-def train_block(cfg: RunConfig, index: int, data: torch.Tensor, out: Path, device: torch.device,
-                save_every: int = 0) -> FitResult:
-    """Train block `index` alone: only this block and the fixed codebook are ever built."""
+def genesis_block(cfg: RunConfig, index: int) -> DiffusionBlock:
+    """Block `index` as it starts: seeded, so every trainer and replica builds the same one."""
+    torch.manual_seed(cfg.train.seed * 1000 + index)
+    return DiffusionBlock(cfg.model, cfg.noise.sigma_data, index)
+
+
+def reads_earlier(cfg: RunConfig) -> bool:
+    """Whether a block's training reads the blocks before it (chain states or the relay channel)."""
+    return cfg.train.block_input == "chain" or cfg.model.channel == "relay"
+
+
+class EarlierBlocks:
+    """The frozen copies of blocks 0..index-1 that a block trainer reads, forward only.
+
+    refresh_every = 0 (blocks trained in order): they must be trained already, and stay as found.
+    refresh_every = R (all blocks at once, as a swarm trains them): a block not yet published in
+    the folder starts as its genesis state, and every R steps the trainer reloads the ones whose
+    trainers published a newer snapshot. Nobody waits for anybody. `versions` records which
+    version of each was read last (sha256 of its weights and its step; 0 = genesis).
+    """
+
+    def __init__(self, folder: Path, index: int, cfg: RunConfig, device: torch.device) -> None:
+        self.folder, self.cfg, self.device = folder, cfg, device
+        self.blocks: list[DiffusionBlock] = []
+        self.versions: dict[str, dict] = {}
+        for b in range(index):
+            if cfg.train.refresh_every:
+                self.blocks.append(genesis_block(cfg, b).to(device).requires_grad_(False).eval())
+                self.versions[checkpoint.block_name(b)] = {"sha256": "genesis", "step": 0}
+            else:
+                entry = load_earlier(folder, b, index, cfg)
+                self.blocks.append(block_from(entry, cfg, device, b).requires_grad_(False))
+                self.versions[entry.name] = {"sha256": entry.sha256, "step": entry.state.get("step", 0)}
+        if cfg.train.refresh_every:
+            self.refresh()
+
+    def refresh(self) -> int:
+        """Reload the blocks that have a newer published snapshot; returns how many changed."""
+        changed = 0
+        for b, block in enumerate(self.blocks):
+            name = checkpoint.block_name(b)
+            try:
+                entry = checkpoint.load(self.folder, name)
+                checkpoint.require_same_model(entry, self.cfg, self.folder, "this run")
+            except checkpoint.CheckpointError as exc:  # not published yet, or being replaced right now
+                log.debug("keeping %s as it is: %s", name, exc)
+                continue
+            if entry.sha256 != self.versions[name]["sha256"]:
+                load_state(block, entry)
+                self.versions[name] = {"sha256": entry.sha256, "step": entry.state.get("step", 0)}
+                changed += 1
+        return changed
+
+
+def load_earlier(folder: Path, b: int, index: int, cfg: RunConfig) -> checkpoint.Entry:
+    """Block b, which block `index` reads, with an error that says what to train first."""
+    try:
+        entry = checkpoint.load(folder, checkpoint.block_name(b))
+    except checkpoint.CheckpointError as exc:
+        raise checkpoint.CheckpointError(
+            f"block {index} reads blocks 0..{index - 1} ({'chain states' if cfg.train.block_input == 'chain' else ''}"
+            f"{' and ' if cfg.train.block_input == 'chain' and cfg.model.channel == 'relay' else ''}"
+            f"{'the relay channel' if cfg.model.channel == 'relay' else ''}), and {exc}. Train them first "
+            f"(`spheroid train --block {b} --out {folder}`), or train all blocks at once with --refresh-every"
+        ) from exc
+    checkpoint.require_same_model(entry, cfg, folder, "this run")
+    return entry
+
+
+def block_trainer(cfg: RunConfig, index: int, out: Path, device: torch.device
+                  ) -> tuple[DiffusionBlock, LossFn, EarlierBlocks | None]:
+    """What training block `index` needs: the block (genesis state), its loss, and the frozen
+    earlier blocks it reads (None when its training reads none)."""
     if not 0 <= index < cfg.model.n_blocks:
         raise ValueError(f"--block {index} is outside 0..{cfg.model.n_blocks - 1}")
-    torch.manual_seed(cfg.train.seed * 1000 + index)
-    block = DiffusionBlock(cfg.model, cfg.noise.sigma_data).to(device)
+    earlier = EarlierBlocks(out, index, cfg, device) if reads_earlier(cfg) else None
+    block = genesis_block(cfg, index).to(device)
     codebook = make_codebook(cfg.model).to(device)
+    frozen = earlier.blocks if earlier else []
     if cfg.train.block_input == "chain":
-        earlier = [load_block(out, b, cfg, device) for b in range(index)]
-        loss_fn = chain_state_loss(block, cfg, index, codebook, earlier)
+        loss_fn = chain_state_loss(block, cfg, index, codebook, frozen)
         log.info("block %d: %d parameters, trained on chain states of %d frozen earlier block(s)", index,
                  parameter_count(block), index)
     else:
-        loss_fn = block_loss(block, cfg, index, codebook)
+        loss_fn = block_loss(block, cfg, index, codebook, frozen)
         lo, hi = training_band(cfg.noise, cfg.model.n_blocks, index)
         log.info("block %d: %d parameters, noise band [%.3f, %.3f] with overlap", index,
                  parameter_count(block), lo, hi)
-    return fit(block, loss_fn, cfg, data, checkpoint.block_name(index), out, {"block": index}, save_every)
+    if index and cfg.model.channel == "relay":
+        log.info("block %d: its clean stream starts from block %d's (relay channel)", index, index - 1)
+    return block, loss_fn, earlier
+
+
+def train_block(cfg: RunConfig, index: int, data: torch.Tensor, out: Path, device: torch.device,
+                save_every: int = 0) -> FitResult:
+    """Train block `index`: only this block is updated; it reads frozen copies of the blocks before
+    it when its training needs them (`reads_earlier`)."""
+    block, loss_fn, earlier = block_trainer(cfg, index, out, device)
+    name = checkpoint.block_name(index)
+    extra = {"block": index, "reads": earlier.versions if earlier else {}}
+    every = cfg.train.refresh_every
+
+    def publish_and_refresh(done: int, loss: float) -> None:
+        """All blocks at once: show the later blocks this one's progress; read the earlier ones'."""
+        if not every or done % every or done == cfg.train.steps:
+            return
+        checkpoint.save(out, name, block, cfg, {"step": done, "loss": loss, "partial": True, **extra})
+        if earlier and earlier.refresh():
+            log.info("block %d step %d: read newer earlier blocks %s", index, done,
+                     ", ".join(f"{k}@{v['step']}" for k, v in earlier.versions.items()))
+
+    return fit(block, loss_fn, cfg, data, name, out, extra, save_every, after_step=publish_and_refresh)
 
 
 def train_reference(cfg: RunConfig, data: torch.Tensor, out: Path, device: torch.device,
@@ -229,8 +337,8 @@ def train_reference(cfg: RunConfig, data: torch.Tensor, out: Path, device: torch
     """Train the end-to-end reference (depth n_blocks * layers_per_block) with next-byte CE."""
     torch.manual_seed(cfg.train.seed)
     model = Reference(cfg.model).to(device)
-    log.info("reference: %d layers, %d parameters", cfg.model.n_blocks * cfg.model.layers_per_block,
-             parameter_count(model))
+    log.info("reference: %d layers, %s layout, %d parameters", cfg.model.n_blocks * cfg.model.layers_per_block,
+             cfg.model.reference_layout, parameter_count(model))
     return fit(model, reference_loss(model), cfg, data, checkpoint.REFERENCE, out, {}, save_every)
 
 
@@ -240,19 +348,14 @@ def train_reference(cfg: RunConfig, data: torch.Tensor, out: Path, device: torch
 def load_chain(folder: str | Path, device: torch.device) -> tuple[RunConfig, list[DiffusionBlock], torch.Tensor]:
     """The assembled model in a checkpoint folder: its config, its blocks (eval mode) and codebook."""
     entries = checkpoint.load_blocks(folder)
+    checkpoint.require_versions_read(entries, folder)
     cfg = entries[0].config
-    return cfg, [block_from(e, cfg, device) for e in entries], make_codebook(cfg.model).to(device)
+    return cfg, [block_from(e, cfg, device, b) for b, e in enumerate(entries)], make_codebook(cfg.model).to(device)
 
 
-def load_block(folder: str | Path, index: int, cfg: RunConfig, device: torch.device) -> DiffusionBlock:
-    """One trained block, frozen, checked to belong to the same model and noise schedule as cfg."""
-    entry = checkpoint.load(folder, checkpoint.block_name(index))
-    checkpoint.require_same_model(entry, cfg, folder, "this run")
-    return block_from(entry, cfg, device).requires_grad_(False)
-
-
-def block_from(entry: checkpoint.Entry, cfg: RunConfig, device: torch.device) -> DiffusionBlock:
-    block = DiffusionBlock(cfg.model, cfg.noise.sigma_data)
+def block_from(entry: checkpoint.Entry, cfg: RunConfig, device: torch.device, index: int) -> DiffusionBlock:
+    """Block `index` with the weights of `entry`, in eval mode."""
+    block = DiffusionBlock(cfg.model, cfg.noise.sigma_data, index)
     load_state(block, entry)
     return block.to(device).eval()
 

@@ -11,7 +11,8 @@ def test_compose_ci_preset_writes_one_row_per_variant(tmp_path, data_dir):
                      "--data", str(data_dir), "--device", "cpu")
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["variants"]}
-    assert list(rows) == ["paper", "paper_2steps", "chain_input", "genesis"]
+    assert list(rows) == ["paper", "paper_2steps", "chain_input", "genesis", "relay"]
+    assert rows["paper"]["config"]["model"]["channel"] == "z" and rows["relay"]["config"]["model"]["channel"] == "relay"
     assert rows["genesis"]["config"]["model"]["codebook_file"].endswith("genesis-codebook.safetensors")
     assert rows["paper_2steps"]["reuses"] == "paper" and rows["paper_2steps"]["train_wall_s"] == 0
     assert rows["paper_2steps"]["config"]["noise"]["steps_per_block"] == 2

@@ -29,7 +29,8 @@ def test_memory_bench_ci_preset(tmp_path, data_dir):
     proc = run_bench("memory.py", "--preset", "ci", "--batches", "8", "--steps", "2", "--out", str(out),
                      "--data", str(data_dir))
     rows = {r["trainer"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"reference", "reference-1block", "block", "block-merged"}
+    assert set(rows) == {"reference", "reference-two-stream", "reference-1block", "block", "block-merged",
+                         "last-block"}
     for r in rows.values():
         assert 0 < r["runtime_mb"] <= r["before_mb"] <= r["peak_mb"]
         assert r["activations_mb"] > 0 and r["weights_mb"] > 0
@@ -38,4 +39,7 @@ def test_memory_bench_ci_preset(tmp_path, data_dir):
     kept = {name: r["activations_mb"] for name, r in rows.items()}
     assert kept["block-merged"] < kept["block"] < kept["reference"]
     assert rows["block"]["parameters"] < rows["reference"]["parameters"]
+    # the last block also runs the three frozen blocks before it: their weights, without gradients or moments
+    assert rows["last-block"]["frozen_mb"] == pytest.approx(3 * rows["block"]["weights_mb"] / 4, rel=0.01)
+    assert rows["block"]["frozen_mb"] == 0
     assert "training memory, preset ci" in proc.stdout

@@ -4,17 +4,23 @@ import pytest
 import torch
 
 from spheroid import checkpoint
-from spheroid.chain import denoise, generate, score, score_bound
+from spheroid.chain import denoise, encode_context, generate, score, score_bound
 from spheroid.checkpoint import CheckpointError
 from spheroid.config import ModelConfig, RunConfig, override
-from spheroid.model import DiffusionBlock, KVCache, Reference, attention_mask, make_codebook
-from spheroid.train import block_loss, make_optimizer, train_block, train_step, write_genesis_codebook
+from spheroid.model import CleanStream, DiffusionBlock, KVCache, Reference, attention_mask, make_codebook
+from spheroid.train import block_loss, load_chain, make_optimizer, train_block, train_step, write_genesis_codebook
 
 from .conftest import randomize
 
 
 def blocks_for(cfg: RunConfig) -> list[DiffusionBlock]:
-    return [randomize(DiffusionBlock(cfg.model, cfg.noise.sigma_data), seed=b).eval() for b in range(4)]
+    return [randomize(DiffusionBlock(cfg.model, cfg.noise.sigma_data, b), seed=b).eval() for b in range(4)]
+
+
+def with_model(cfg: RunConfig, **changes) -> RunConfig:
+    if changes.get("layout") == "merged":
+        changes.setdefault("channel", "z")  # nothing to relay in the merged layout
+    return RunConfig(model=override(cfg.model, **changes), noise=cfg.noise, train=cfg.train)
 
 
 def test_codebook_is_fixed_by_its_seed_with_unit_rows():
@@ -41,14 +47,19 @@ def test_mask_for_k1_and_k2():
     assert m2[4:, 4:].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
 
 
-@pytest.mark.parametrize("layout, chunk", [("concat", 1), ("concat", 4), ("merged", 1)])
-def test_chain_does_not_leak_future_bytes(tiny, layout, chunk):
-    """Changing the bytes after position i changes nothing in the predictions of positions <= i."""
-    tiny = RunConfig(model=override(tiny.model, layout=layout), noise=tiny.noise, train=tiny.train)
+@pytest.mark.parametrize("layout, chunk, channel", [("concat", 1, "relay"), ("concat", 4, "relay"), ("concat", 1, "z"),
+                                                    ("concat", 4, "z"), ("merged", 1, "z")])
+def test_chain_does_not_leak_future_bytes(tiny, layout, chunk, channel):
+    """Changing the bytes after position i changes nothing in any prediction that may not see them:
+    with chunks of K, no target of a chunk whose clean context ends at or before i (the chunk's
+    other targets included). Covers every input a block reads: the clean bytes, the chain's z and,
+    with the relay channel, the earlier blocks' clean streams."""
+    tiny = with_model(tiny, layout=layout, channel=channel)
     blocks = blocks_for(tiny)
     codebook = make_codebook(tiny.model)
     t = tiny.model.context
     window = torch.randint(0, 256, (1, t + 1), generator=torch.Generator().manual_seed(0))
+    anchor = (torch.arange(t) // chunk) * chunk  # the last clean byte each target's chunk sees
 
     def run(w: torch.Tensor) -> torch.Tensor:
         gen = torch.Generator().manual_seed(7)
@@ -59,16 +70,41 @@ def test_chain_does_not_leak_future_bytes(tiny, layout, chunk):
         changed = window.clone()
         changed[0, i + 1 :] = (changed[0, i + 1 :] + 1 + i) % 256
         out = run(changed)
-        torch.testing.assert_close(out[: i + 1], base[: i + 1], rtol=0, atol=1e-5)
+        protected = anchor <= i
+        torch.testing.assert_close(out[protected], base[protected], rtol=0, atol=1e-5)
         if i + 1 < t and (i + 1) % chunk == 0:
             # the first prediction that may see byte i+1 does see it, so the test is not vacuous
             assert not torch.allclose(out[i + 1], base[i + 1])
 
 
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_a_relay_block_reads_its_predecessors_stream_only_up_to_its_anchors(tiny, chunk):
+    """The relayed activations are an input like the clean bytes: position p reads them up to its
+    chunk's anchor and no further, and does read them (the channel is not vacuous)."""
+    block = randomize(DiffusionBlock(tiny.model, 0.5, index=1)).eval()
+    t, d = tiny.model.context, tiny.model.d_model
+    gen = torch.Generator().manual_seed(2)
+    x, z, sigma = torch.randint(0, 256, (1, t), generator=gen), torch.randn(1, t, d, generator=gen), torch.tensor([2.0])
+    previous = CleanStream(1)
+    previous.out = torch.randn(1, t, d, generator=gen)
+    base = block(x, z, sigma, 0, chunk, previous=previous)
+    anchor = (torch.arange(t) // chunk) * chunk
+    for i in range(t - 1):
+        changed = CleanStream(1)
+        changed.out = previous.out.clone()
+        changed.out[0, i + 1 :] = torch.randn(t - i - 1, d, generator=gen)  # (a constant would be normed away)
+        out = block(x, z, sigma, 0, chunk, previous=changed)
+        torch.testing.assert_close(out[0, anchor <= i], base[0, anchor <= i], rtol=0, atol=1e-5)
+        if (i + 1) % chunk == 0:
+            assert not torch.allclose(out[0, i + 1], base[0, i + 1])
+    with pytest.raises(ValueError, match="block 0's clean stream"):
+        block(x, z, sigma)  # a relay block needs its predecessor's stream
+
+
 @pytest.mark.parametrize("layout", ["concat", "merged"])
 def test_block_output_depends_on_its_own_noisy_target_not_later_ones(tiny, layout):
     """At training time position p sees x_<=p and z_p; later context and later targets are invisible."""
-    block = randomize(DiffusionBlock(override(tiny.model, layout=layout), 0.5)).eval()
+    block = randomize(DiffusionBlock(with_model(tiny, layout=layout).model, 0.5)).eval()
     t = tiny.model.context
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (1, t), generator=gen)
@@ -117,7 +153,7 @@ def test_chain_is_deterministic_for_a_seed(tiny):
 
 def test_merged_generation_matches_scoring_of_the_same_window(tiny):
     """A merged-layout chain generates byte L from the same computation that scores position L-1."""
-    merged = RunConfig(model=override(tiny.model, layout="merged"), noise=tiny.noise, train=tiny.train)
+    merged = with_model(tiny, layout="merged")
     blocks = blocks_for(merged)
     codebook = make_codebook(merged.model)
     prompt = b"hello, world"
@@ -138,13 +174,31 @@ def test_averaged_draws_score_at_least_as_well_as_one_draw_on_average(tiny):
     assert s.bytes_scored == 4 * tiny.model.context
 
 
-def test_reference_is_causal(tiny):
-    model = randomize(Reference(tiny.model)).eval()
+@pytest.mark.parametrize("layout", ["plain", "two_stream"])
+def test_reference_is_causal(tiny, layout):
+    model = randomize(Reference(override(tiny.model, reference_layout=layout))).eval()
     x = torch.randint(0, 256, (1, 16))
-    x2 = x.clone()
-    x2[0, 9:] = (x2[0, 9:] + 1) % 256
-    torch.testing.assert_close(model(x2)[0, :9], model(x)[0, :9], rtol=0, atol=1e-5)
+    base = model(x)
+    for i in range(15):
+        x2 = x.clone()
+        x2[0, i + 1 :] = (x2[0, i + 1 :] + 1) % 256
+        out = model(x2)
+        torch.testing.assert_close(out[0, : i + 1], base[0, : i + 1], rtol=0, atol=1e-5)
+        assert not torch.allclose(out[0, i + 1], base[0, i + 1])
     assert len(model.layers) == tiny.model.n_blocks * tiny.model.layers_per_block
+
+
+def test_two_stream_reference_predicts_from_its_query_stream(tiny):
+    """Its logits come from the query tokens reading the clean stream: the same layers as the plain
+    reference's, computing another function of the bytes."""
+    cfg = override(tiny.model, reference_layout="two_stream")
+    torch.manual_seed(0)
+    two = randomize(Reference(cfg)).eval()
+    plain = Reference(tiny.model).eval()
+    plain.load_state_dict(two.state_dict())  # the same parameters, nothing added
+    x = torch.randint(0, 256, (2, 16))
+    assert two(x).shape == plain(x).shape == (2, 16, 256)
+    assert not torch.allclose(two(x), plain(x))
 
 
 def test_stochastic_sampler_is_seeded_and_differs_from_euler(tiny):
@@ -262,9 +316,62 @@ def test_cached_clean_stream_gives_the_logits_of_the_full_forward(tiny, chunk):
     cfg = override(tiny.model, layers_per_block=2, context=32)
     block = randomize(DiffusionBlock(cfg, 0.5)).eval()
     x, z, sigma = torch.randint(0, 256, (1, 20)), torch.randn(1, chunk, cfg.d_model), torch.tensor([2.0])
-    full = block(x, z, sigma, 19, chunk)  # a fresh cache
-    cache = [KVCache() for _ in range(2)]
-    block(x[:, :12], torch.randn(1, chunk, cfg.d_model), sigma, 11, chunk, cache)  # a shorter window first
-    torch.testing.assert_close(block(x, z, sigma, 19, chunk, cache), full, rtol=0, atol=1e-5)
-    assert cache[0].k.shape[2] == 20  # it grew by the new bytes only
-    torch.testing.assert_close(block(x, z, sigma, 19, chunk, cache), full, rtol=0, atol=1e-5)  # and reads
+    full = block(x, z, sigma, 19, chunk)  # a fresh stream
+    stream = CleanStream(2)
+    block(x[:, :12], torch.randn(1, chunk, cfg.d_model), sigma, 11, chunk, stream)  # a shorter window first
+    torch.testing.assert_close(block(x, z, sigma, 19, chunk, stream), full, rtol=0, atol=1e-5)
+    assert stream.kv[0].k.shape[2] == stream.seen == 20  # it grew by the new bytes only
+    torch.testing.assert_close(block(x, z, sigma, 19, chunk, stream), full, rtol=0, atol=1e-5)  # and reads
+
+
+def test_relayed_streams_grown_byte_by_byte_match_the_whole_context(tiny):
+    """A serving session extends every block's clean stream by the new bytes only; with the relay
+    channel the result must equal the streams computed over the whole context at once."""
+    cfg = with_model(tiny, layers_per_block=2, context=32)
+    blocks = blocks_for(cfg)
+    x = torch.randint(0, 256, (1, 20))
+    whole = encode_context(blocks, x)
+    grown: dict = {}
+    for end in (9, 10, 20):
+        encode_context(blocks, x[:, :end], grown)
+    for b in range(4):
+        torch.testing.assert_close(grown[b].out, whole[b].out, rtol=0, atol=1e-5)
+    assert not torch.allclose(whole[1].out, encode_context(with_z(blocks, cfg), x)[1].out)
+
+
+def with_z(blocks: list[DiffusionBlock], cfg: RunConfig) -> list[DiffusionBlock]:
+    """The same weights, read as a model whose blocks do not relay."""
+    z_cfg = override(cfg.model, channel="z")
+    out = []
+    for b, block in enumerate(blocks):
+        twin = DiffusionBlock(z_cfg, cfg.noise.sigma_data, b).eval()
+        twin.load_state_dict(block.state_dict())
+        out.append(twin)
+    return out
+
+
+def test_a_block_records_the_versions_it_read_and_a_mismatch_is_refused(tiny, tmp_path):
+    data = torch.randint(0, 256, (5000,), dtype=torch.uint8)
+    for b in range(4):
+        train_block(tiny, b, data, tmp_path, torch.device("cpu"))
+    reads = checkpoint.load(tmp_path, "block-2").state["reads"]
+    assert sorted(reads) == ["block-0", "block-1"]
+    assert reads["block-1"]["sha256"] == checkpoint.load(tmp_path, "block-1").sha256
+    load_chain(tmp_path, torch.device("cpu"))
+    train_block(RunConfig(model=tiny.model, noise=tiny.noise, train=override(tiny.train, seed=5)), 0, data, tmp_path,
+                torch.device("cpu"))  # block 0 replaced under the blocks that read it
+    with pytest.raises(CheckpointError, match="block-1 .* was trained against block-0 .* retrain block-1"):
+        load_chain(tmp_path, torch.device("cpu"))
+
+
+def test_blocks_trained_all_at_once_read_genesis_states_then_published_snapshots(tiny, tmp_path):
+    cfg = RunConfig(model=tiny.model, noise=tiny.noise, train=override(tiny.train, refresh_every=1))
+    data = torch.randint(0, 256, (5000,), dtype=torch.uint8)
+    train_block(cfg, 2, data, tmp_path, torch.device("cpu"))  # nothing published yet: it never waits
+    assert {v["sha256"] for v in checkpoint.load(tmp_path, "block-2").state["reads"].values()} == {"genesis"}
+    train_block(cfg, 0, data, tmp_path, torch.device("cpu"))
+    train_block(cfg, 1, data, tmp_path, torch.device("cpu"))
+    assert checkpoint.load(tmp_path, "block-1").state["reads"]["block-0"] == {
+        "sha256": checkpoint.load(tmp_path, "block-0").sha256, "step": 3}
+    train_block(cfg, 3, data, tmp_path, torch.device("cpu"))
+    load_chain(tmp_path, torch.device("cpu"))  # later snapshots of the blocks it read are fine

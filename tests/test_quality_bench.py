@@ -20,21 +20,39 @@ def bench_run(tmp_path_factory, data_dir):
 
 def test_quality_ci_preset_writes_its_json_and_plot(bench_run):
     tmp, result, stdout = bench_run
-    for key in ("reference_ce", "single_block_reference_ce", "blocktrain_ce", "blocktrain_ce_m8", "gap",
-                "wall_s", "flops", "peak_rss_block_mb", "peak_rss_reference_mb", "config", "block0_alone_ce"):
+    for key in ("reference_ce", "single_block_reference_ce", "blocktrain_ce", "blocktrain_ce_m8", "block0_alone_ce",
+                "references", "chains", "gap", "depth_pays", "composition", "config", "concurrent_ce"):
         assert key in result, key
-    assert result["gap"] == pytest.approx(result["blocktrain_ce_m8"] - result["reference_ce"])
-    assert result["blocktrain_ce_m8"] <= result["blocktrain_ce"] + 1e-6
-    for key in ("reference_ce", "single_block_reference_ce", "blocktrain_ce"):
-        assert 0 < result[key] < 6.0  # at most a little above the uniform guess, ln 256 = 5.545
-        assert 0 < result["raw"][key] < 6.0
+    refs = result["references"]
+    assert set(refs) == {"reference", "single_block_reference", "reference_two_stream",
+                         "single_block_reference_two_stream"}
+    for ref in refs.values():
+        assert ref["params"] > 0 and ref["train_flops"] > 0 and ref["wall_s"] > 0 and 0 < ref["ce"] < 6.0
+    # the bar's figures are the best of each kind, and the differences are what they say
+    assert result["reference_ce"] == min(refs["reference"]["ce"], refs["reference_two_stream"]["ce"])
+    assert result["single_block_reference_ce"] == min(refs["single_block_reference"]["ce"],
+                                                      refs["single_block_reference_two_stream"]["ce"])
+    assert result["gap"] == pytest.approx(result["blocktrain_ce"] - result["reference_ce"])
+    assert result["depth_pays"] == pytest.approx(result["single_block_reference_ce"] - result["reference_ce"])
+    assert result["one_worker_alone_ce"] == min(result["single_block_reference_ce"], result["block0_alone_ce"])
+    # the two-stream reference costs more FLOPs than the plain one for the same parameters
+    assert refs["reference_two_stream"]["params"] == refs["reference"]["params"]
+    assert refs["reference_two_stream"]["train_flops"] > refs["reference"]["train_flops"]
+    for chain in ("ordered", "concurrent"):
+        c = result["chains"][chain]
+        assert c["ce_m8"] <= c["ce"] + 1e-6 and 0 < c["ce"] < 6.0 and len(c["train_flops_per_block"]) == 4
+        assert 0 < c["raw"]["ce"] < 6.0
     # even 40 steps teach the reference something about bytes
     assert result["reference_ce"] < 5.2
-    assert result["flops"]["reference"] > 0 and len(result["flops"]["per_block"]) == 4
-    assert result["peak_rss_block_mb"] > 0 and result["config"]["model"]["n_blocks"] == 4
+    assert result["config"]["model"]["n_blocks"] == 4 and result["config"]["model"]["channel"] == "relay"
+    # the chain trained in order is a coherent model at its last step only; the one trained all at once at each
     assert [row["step"] for row in result["curve"]] == [20, 40]
+    assert "blocktrain_ce" not in result["curve"][0] and "concurrent_ce" in result["curve"][0]
+    work = tmp / "work"
+    reads = json.loads((work / "blocktrain_concurrent" / "block-3.json").read_text())["state"]["reads"]
+    assert sorted(reads) == ["block-0", "block-1", "block-2"] and all(r["step"] > 0 for r in reads.values())
     assert (tmp / "quality.png").stat().st_size > 1000
-    assert "BlockTrain chain, M = 8" in stdout
+    assert "chain in order, M = 8" in stdout and "depth pays" in stdout
 
 
 def run_cli(*args, data_dir=None):

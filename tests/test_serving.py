@@ -14,6 +14,7 @@ import torch
 
 from spheroid.chain import generate
 from spheroid.config import NodeConfig
+from spheroid.launch import free_port
 from spheroid.node.client import remote_generate, remote_score
 from spheroid.node.connection import PeerGone
 from spheroid.pipeline import Hop, NoRoute, build_route, check_route, parse_blocks, serving_range
@@ -45,12 +46,13 @@ def test_route_prefers_low_rtt_and_avoids_excluded_nodes():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, data_dir):
-    """Four tiny blocks, trained for a few steps (what they say does not matter; that it is exact does)."""
+    """Four tiny blocks, trained for a few steps (what they say does not matter; that it is exact does).
+    They read only z: hops do not relay the clean streams yet."""
     folder = tmp_path_factory.mktemp("served")
     for job in [["--block", str(b)] for b in range(4)] + [["--reference"]]:
         subprocess.run([sys.executable, "-m", "spheroid", "-q", "train", *job, "--steps", "5", "--d-model", "32",
                         "--n-heads", "2", "--layers-per-block", "1", "--context", "32", "--batch", "4",
-                        "--block-input", "noised", "--data", str(data_dir), "--out", str(folder)],
+                        "--block-input", "noised", "--channel", "z", "--data", str(data_dir), "--out", str(folder)],
                        check=True, timeout=120)
     return folder
 
@@ -179,17 +181,22 @@ def test_malformed_hops_and_oversized_frames_leave_the_pipeline_serving(servers)
 
 
 def test_session_cache_is_bounded_and_expires():
+    from spheroid.model import KVCache
     from spheroid.node.serving import SessionCache
 
     cache = SessionCache(max_bytes=3 * 2 * 4 * 8, ttl=60.0)  # room for three sessions of one position
+
+    def one_layer() -> list[KVCache]:
+        return [KVCache()]
+
     for name in "abcd":
-        (kv,) = cache.get(name, 1).caches
+        (kv,) = cache.get(name, one_layer).caches
         kv.extend(torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
-        cache.get(name, 1)  # re-checks the budget with the new bytes in
+        cache.get(name, one_layer)  # re-checks the budget with the new bytes in
     assert len(cache) == 3 and cache.nbytes <= 3 * 64  # the least recently used went
     cache.ttl = 0.0
     time.sleep(0.01)
-    cache.get("e", 1)
+    cache.get("e", one_layer)
     assert len(cache) == 1  # the idle ones expired
 
 
@@ -255,3 +262,19 @@ def test_cli_generate_and_score_through_the_pipeline(servers, model_dir, tmp_pat
     bad = subprocess.run([sys.executable, "-m", "spheroid", "generate", "--peer", head.addr, "--route", "zzzz", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "--route: 'zzzz' names 0 serving nodes" in bad.stderr
+
+
+def test_a_relay_model_is_served_whole_on_one_node_and_refused_split(tmp_path, data_dir):
+    """Hops do not carry clean streams yet: a node serving part of a relay model refuses to start,
+    with a message that says what to do."""
+    folder = tmp_path / "relay"
+    for b in range(2):
+        subprocess.run([sys.executable, "-m", "spheroid", "-q", "train", "--block", str(b), "--steps", "2",
+                        "--n-blocks", "2", "--d-model", "32", "--n-heads", "2", "--layers-per-block", "1",
+                        "--context", "32", "--batch", "4", "--data", str(data_dir), "--out", str(folder)],
+                       check=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "spheroid", "node", "--listen", f"127.0.0.1:{free_port()}", "--identity",
+                           str(tmp_path / "id.json"), "--serve", "1", "--checkpoint", str(folder)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "serve all its blocks on one node (--serve 0-1)" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -36,7 +36,7 @@ import torch.nn.functional as fn
 from .. import checkpoint
 from ..chain import euler_steps, gaussian, next_window, sample, traversal_generators
 from ..config import RunConfig
-from ..model import KVCache, make_codebook
+from ..model import CleanStream, KVCache, make_codebook
 from ..noise import sigma_grid
 from ..pipeline import Hop, NoRoute, build_route, check_route, serving_range
 from ..train import block_from, load_reference
@@ -59,19 +59,23 @@ class HopFailed(Exception):
 
 @dataclass
 class Session:
-    """What a serving node keeps of one session between traversals: keys and values per layer,
-    and the bytes they were computed from."""
+    """What a serving node keeps of one session between traversals: its caches (a clean stream per
+    block, or keys and values per layer), and the bytes they were computed from."""
 
-    caches: list[KVCache]
+    make: Callable[[], list[CleanStream] | list[KVCache]]
+    caches: list = field(default_factory=list)
     tokens: bytes = b""
     used: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.caches = self.caches or self.make()
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)
 
     def reset(self) -> None:
-        self.caches, self.tokens = [KVCache() for _ in self.caches], b""
+        self.caches, self.tokens = self.make(), b""
 
 
 class SessionCache:
@@ -85,11 +89,12 @@ class SessionCache:
         self.max_bytes, self.ttl = max_bytes, ttl
         self._sessions: dict[str, Session] = {}
 
-    def get(self, session: str, layers: int) -> Session:
+    def get(self, session: str, make: Callable[[], list]) -> Session:
+        """The session's state; a new one holds the caches `make` returns."""
         now = time.monotonic()
         for key in [k for k, s in self._sessions.items() if now - s.used > self.ttl]:
             del self._sessions[key]
-        found = self._sessions.pop(session, None) or Session([KVCache() for _ in range(layers)])
+        found = self._sessions.pop(session, None) or Session(make)
         found.used = now
         self._sessions[session] = found  # most recently used last
         while self.nbytes > self.max_bytes and len(self._sessions) > 1:
@@ -363,10 +368,14 @@ class BlockServer(PipelineServer):
             raise ValueError("serving needs a concat-layout model (chunks of K bytes per traversal)")
         if cfg.noise.churn > 0:
             raise ValueError("serving runs the deterministic sampler; this model's noise config has churn > 0")
+        if cfg.model.channel == "relay" and (first, last) != (0, cfg.model.n_blocks - 1):
+            raise ValueError(f"this model's blocks read the previous block's clean stream (channel 'relay'), which "
+                             f"hops do not relay yet: serve all its blocks on one node (--serve 0-"
+                             f"{cfg.model.n_blocks - 1}), or a model trained with --channel z")
         # which model this is (not which weights: holders of a block may be a round apart)
         model_id = hashlib.sha256(repr((self.kind, cfg.model, cfg.noise)).encode()).hexdigest()[:16]
         super().__init__(node, cfg, first, last, model_id, hop_timeout, retries, cache_mb, session_ttl)
-        self.blocks = {b: block_from(e, cfg, self.device) for b, e in zip(range(first, last + 1), entries, strict=True)}
+        self.blocks = {b: block_from(e, cfg, self.device, b) for b, e in zip(range(first, last + 1), entries, strict=True)}
         self.codebook = make_codebook(cfg.model).to(self.device)
         self.grid = sigma_grid(cfg.noise, cfg.model.n_blocks)
 
@@ -424,29 +433,30 @@ class BlockServer(PipelineServer):
             z = self.grid[0].item() * gaussian((1, n, d), noise_gen, self.device)
         else:
             z = self._incoming(z, n)
-        caches = None if "targets" in msg else self._session_caches(msg["session"], msg["ctx"])
+        streams = {} if "targets" in msg else self._session_streams(msg["session"], msg["ctx"])
         spb = self.cfg.noise.steps_per_block
         steps = range(self.first * spb, (self.last + 1) * spb)
         z = euler_steps(self.blocks, self.cfg.noise, self.grid, self.codebook, x, z, steps, None, start, msg["chunk"],
-                        caches)
+                        streams)
         if not last:
             return z
         sigma_min = torch.full((1,), self.cfg.noise.sigma_min)
-        cache = caches[self.last] if caches else None
-        return self._done(msg, self.blocks[self.last](x, z, sigma_min, start, msg["chunk"], cache).float()[0])
+        logits = self.blocks[self.last](x, z, sigma_min, start, msg["chunk"], streams.get(self.last),
+                                        streams.get(self.last - 1))
+        return self._done(msg, logits.float()[0])
 
-    def _session_caches(self, session: str, ctx: bytes) -> dict[int, list[KVCache]]:
-        """This node's blocks' clean-stream caches for a generation session, valid for ctx.
+    def _session_streams(self, session: str, ctx: bytes) -> dict[int, CleanStream]:
+        """This node's blocks' clean streams for a generation session, valid for ctx.
 
         While the window only grows (the prompt and output fit the context) each traversal adds
-        its new bytes to the cache; once it slides, the cache is rebuilt from the new window.
+        its new bytes to the streams; once it slides, they are rebuilt from the new window.
         """
-        per_block = self.cfg.model.layers_per_block
-        found = self.sessions.get(session, per_block * len(self.blocks))
+        layers = self.cfg.model.layers_per_block
+        found = self.sessions.get(session, lambda: [CleanStream(layers) for _ in self.blocks])
         if not ctx.startswith(found.tokens):
             found.reset()
         found.tokens = ctx
-        return {b: found.caches[i * per_block : (i + 1) * per_block] for i, b in enumerate(sorted(self.blocks))}
+        return dict(zip(sorted(self.blocks), found.caches, strict=True))
 
 
 class ReferenceServer(PipelineServer):
@@ -506,7 +516,7 @@ class ReferenceServer(PipelineServer):
     @torch.no_grad()
     def _compute(self, msg: dict, z: torch.Tensor | None, last: bool) -> dict | torch.Tensor:
         n, start = msg["n_noisy"], msg["start"]
-        caches = self.sessions.get(msg["session"], len(self.layers)).caches
+        caches = self.sessions.get(msg["session"], lambda: [KVCache() for _ in self.layers]).caches
         if caches[0].k is not None and caches[0].k.shape[2] != start:
             self.sessions.drop(msg["session"])  # out of step: the coordinator retries on a new session
             raise ValueError(f"session {msg['session'][:8]} holds {caches[0].k.shape[2]} positions, not {start}")

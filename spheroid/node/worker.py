@@ -28,8 +28,8 @@ from ..averaging import CODECS, AveragingConfig, Replica, SharedState, Update, V
 from ..checkpoint import CheckpointError, atomic_write
 from ..config import RunConfig
 from ..data import random_windows
-from ..model import DiffusionBlock, make_codebook
-from ..train import block_loss, learning_rate, make_optimizer, train_step
+from ..model import make_codebook
+from ..train import block_loss, genesis_block, learning_rate, make_optimizer, train_step
 from ..wire import ProtocolError, through_codec
 from .client import request_state
 from .connection import Connection, PeerGone
@@ -59,12 +59,14 @@ class BlockWorker:
         if cfg.train.block_input != "noised":
             raise ValueError("a swarm node trains its block on noised inputs (--block-input noised): chain-state "
                              "training reads the earlier blocks, and in a swarm blocks never wait for each other")
+        if cfg.model.channel != "z" and cfg.model.n_blocks > 1:
+            raise ValueError("a swarm node trains blocks that read only z (--channel z): the relay channel reads "
+                             "the earlier blocks, which swarm nodes do not fetch yet")
         if not 0 <= block < cfg.model.n_blocks:
             raise ValueError(f"--block {block} is outside 0..{cfg.model.n_blocks - 1}")
         self.node, self.cfg, self.avg, self.block, self.data = node, cfg, averaging, block, data
         self.path = Path(out) / f"worker-{block}.safetensors"
-        torch.manual_seed(cfg.train.seed * 1000 + block)  # every replica starts from the same genesis state
-        self.module = DiffusionBlock(cfg.model, cfg.noise.sigma_data)
+        self.module = genesis_block(cfg, block)  # every replica starts from the same genesis state
         self.opt = make_optimizer(self.module, cfg)
         self.loss_fn = block_loss(self.module, cfg, block, make_codebook(cfg.model))
         # each replica draws its own batches and noise
