@@ -26,8 +26,8 @@ import platform
 import shutil
 import subprocess
 import sys
-import time
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -128,8 +128,8 @@ def train_all(cfg: RunConfig, work: Path, data: str | None, device: str | None, 
     runs = {name: ["--reference", "--out", str(work / folder), *flags] for name, (folder, flags) in REFERENCES.items()}
     n = cfg.model.n_blocks
     runs.update({f"block_{b}": ["--block", str(b), "--out", str(work / CHAINS["ordered"])] for b in range(n)})
-    groups = [[name] for name in REFERENCES]
-    groups.append([f"block_{b}" for b in range(n)])  # in order: block b reads the trained blocks before it
+    # the longest sequence first: in order, block b reads the trained blocks before it
+    groups = [[f"block_{b}" for b in range(n)], *([name] for name in REFERENCES)]
     if refresh_every:
         folder = work / CHAINS["concurrent"]
         shutil.rmtree(folder, ignore_errors=True)  # snapshots of an earlier run would be read as published
@@ -376,12 +376,13 @@ def print_table(r: dict) -> None:
         wall = " + ".join(f"{w:.0f}" for w in c["wall_s"])
         for label, ce, ce_raw in ((f"chain {what}, M = 1", c["ce"], c["raw"]["ce"]),
                                   (f"chain {what}, M = {r['draws_m8']}", c["ce_m8"], c["raw"]["ce_m8"]),
-                                  (f"  its block 0 alone", c["block0_alone_ce"], c["raw"]["block0_alone_ce"])):
+                                  ("  its block 0 alone", c["block0_alone_ce"], c["raw"]["block0_alone_ce"])):
             print(f"{label:<40} {ce:>15.4f} {ce_raw:>13.4f} {c['params']:>9d} {wall:>9} {c['train_flops']:>12.3e}")
     print(f"\ndepth pays (best one-block-deep minus best full-depth reference): {r['depth_pays']:+.4f}")
     print(f"the blocks compose (block 0 alone minus chain, M = 1): {r['composition']:+.4f}")
     print(f"chain (M = 1) minus the best full-depth reference ({r['best_reference']}): {r['gap']:+.4f}")
-    print(f"one worker alone (best of one-block-deep references, block 0) minus chain: {r['gain_over_one_worker']:+.4f}")
+    print("one worker alone (best of one-block-deep references, block 0) minus chain: "
+          f"{r['gain_over_one_worker']:+.4f}")
     print(f"peak RSS: block worker {r['chains']['ordered']['peak_rss_mb']:.0f} MiB, plain full-depth reference "
           f"{r['references']['reference']['peak_rss_mb']:.0f} MiB (ratio {r['peak_rss_ratio']:.2f})")
 

@@ -8,6 +8,7 @@ from one block handed a noisy copy of the true target is not, and nothing here c
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ import torch.nn.functional as fn
 from .config import NoiseConfig
 from .model import CleanStream, DiffusionBlock
 from .noise import band, sigma_grid
+from .progress import Progress
+
+log = logging.getLogger(__name__)
 
 
 def gaussian(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -152,6 +156,7 @@ def score(
     """
     device = codebook.device
     nll_one, nll_avg, count = 0.0, 0.0, 0
+    progress = Progress(log, f"scoring the chain ({draws} draws)", windows.shape[0], "windows")
     for i in range(0, windows.shape[0], batch):
         w = windows[i : i + batch].to(device)
         x, y = w[:, :-1], w[:, 1:]  # (b, T)
@@ -163,6 +168,7 @@ def score(
         nll_one += -logp_y.mean(dim=1).sum().item()
         nll_avg += -(torch.logsumexp(logp_y, dim=1) - torch.log(torch.tensor(float(draws)))).sum().item()
         count += y.numel()
+        progress.update(i + w.shape[0])
     return ChainScore(nll_one / count, nll_avg / count, draws, count)
 
 

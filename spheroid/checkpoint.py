@@ -74,8 +74,14 @@ def atomic_write(path: Path, data: bytes) -> None:
 def save(folder: str | os.PathLike, name: str, module: torch.nn.Module, config: RunConfig,
          state: dict[str, Any]) -> Path:
     """Save a module's weights and record; returns the JSON path."""
+    return save_tensors(folder, name, module.state_dict(), config, state)
+
+
+def save_tensors(folder: str | os.PathLike, name: str, tensors: dict[str, torch.Tensor], config: RunConfig,
+                 state: dict[str, Any]) -> Path:
+    """Save named tensors (weights, or a trainer's whole state) and their record; returns the JSON path."""
     folder = Path(folder)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     blob = save_safetensors(tensors, metadata={"format": FORMAT, "name": name})
     atomic_write(folder / f"{name}.safetensors", blob)
     record = {
@@ -116,8 +122,8 @@ def load(folder: str | os.PathLike, name: str) -> Entry:
     actual = hashlib.sha256(blob).hexdigest()
     if actual != expected:
         raise CheckpointError(
-            f"{weights} is damaged or truncated ({len(blob)} bytes, sha256 {actual[:12]}, "
-            f"expected {expected[:12]}); restore it from a peer or a backup"
+            f"{weights} ({len(blob)} bytes, sha256 {actual[:12]}) does not match the sha256 {str(expected)[:12]} "
+            f"recorded in {path}: one of the two is damaged, truncated or altered; restore both from a peer or a backup"
         )
     try:
         tensors = load_safetensors(blob)

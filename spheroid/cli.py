@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
+import contextlib
+import dataclasses
 import functools
 import json
 import logging
 import math
+import signal
 import sys
+import threading
+import tomllib
 from pathlib import Path
 
 import click
@@ -16,7 +22,7 @@ import torch
 from . import checkpoint
 from .averaging import CODECS, OUTER_STEPS, AveragingConfig
 from .chain import generate as run_chain
-from .config import NodeConfig, RunConfig, override
+from .config import ModelConfig, NodeConfig, NoiseConfig, RunConfig, TrainConfig, override
 from .data import DataError, fixed_windows, load_bytes
 from .launch import LocalSwarm
 from .node.client import assemble_swarm, fetch_status, remote_generate, remote_score
@@ -27,7 +33,10 @@ from .node.node import Node
 from .node.serving import BlockServer, ReferenceServer
 from .node.worker import BlockWorker
 from .pipeline import parse_blocks
+from .progress import duration
 from .train import (
+    Interrupted,
+    clear_run,
     evaluate_bound,
     evaluate_chain,
     evaluate_reference,
@@ -46,91 +55,256 @@ class Failure(click.ClickException):
     """An error with a message for the user: printed without a traceback, exit code 1."""
 
 
-def fail_clearly(func):
-    """Turn the library's expected errors into one clear line instead of a traceback."""
+# errors the library raises for bad input (a file, a flag's value, a peer): one line, no traceback
+EXPECTED = (DataError, checkpoint.CheckpointError, IdentityError, ValueError, FloatingPointError, OSError)
+
+
+def setup_logging(verbose: int, quiet: bool, log_file: str | None) -> None:
+    """Log to stderr (and to --log-file): INFO by default, -v DEBUG for spheroid, -vv for everything."""
+    level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        handlers.append(logging.FileHandler(log_file))
+    logging.basicConfig(level=level if verbose > 1 else min(level, logging.INFO), handlers=handlers, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("spheroid").setLevel(level)
+    logging.getLogger().setLevel(level if verbose > 1 else max(level, logging.INFO))
+
+
+def command(func):
+    """A subcommand: the options every command takes (-v, -q, --log-file, --debug), logging set up
+    from them (and the group's), and the library's expected errors as one clear line, exit 1 (with
+    --debug, the traceback)."""
 
     @functools.wraps(func)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args, verbose: int, quiet: bool, log_file: str | None, debug: bool, **kwargs):
+        root = click.get_current_context().find_root().params
+        setup_logging(verbose + root.get("verbose", 0), quiet or root.get("quiet", False),
+                      log_file or root.get("log_file"))
+        debug = debug or root.get("debug", False)
         try:
             return func(*args, **kwargs)
-        except (DataError, checkpoint.CheckpointError, IdentityError, ValueError, FloatingPointError) as exc:
+        except click.ClickException:
+            raise
+        except EXPECTED as exc:
+            if debug:
+                raise
             raise Failure(str(exc)) from exc
 
+    for option in reversed(COMMON_OPTIONS):
+        wrapper = option(wrapper)
     return wrapper
 
 
-@click.group()
-@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+COMMON_OPTIONS = [
+    click.option("-v", "--verbose", count=True, help="More log output (-vv: also the libraries')."),
+    click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors."),
+    click.option("--log-file", type=click.Path(dir_okay=False), help="Also write the log to this file."),
+    click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors."),
+]
+
+
+class Spheroid(click.Group):
+    """The command group, with usage errors as one line (and exit status 2) instead of click's three."""
+
+    def main(self, *args, **kwargs):
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.UsageError as exc:
+            where = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx else ""
+            click.echo(f"Error: {exc.format_message()}{where}", err=True)
+            sys.exit(exc.exit_code)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted.", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=Spheroid)
+@click.version_option(package_name="spheroid", prog_name="spheroid")
+@click.option("-v", "--verbose", count=True, help="More log output (-vv: also the libraries').")
 @click.option("-q", "--quiet", is_flag=True, help="Only warnings and errors.")
-def main(verbose: int, quiet: bool) -> None:
-    """spheroid: decentralised training and serving of BlockTrain byte-level language models."""
-    level = logging.WARNING if quiet else (logging.DEBUG if verbose > 1 else logging.INFO)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+@click.option("--log-file", type=click.Path(dir_okay=False), help="Also write the log to this file.")
+@click.option("--debug", is_flag=True, help="Show tracebacks instead of one-line errors.")
+def main(verbose: int, quiet: bool, log_file: str | None, debug: bool) -> None:
+    """spheroid: decentralised training and serving of BlockTrain byte-level language models.
+
+    Every subcommand takes -v, -q, --log-file and --debug too; `spheroid COMMAND --help` for its flags."""
+
+
+def check_device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Refuse a device this torch build cannot use, before any work starts."""
+    if value is None:
+        return None
+    try:
+        dev = torch.device(value)
+    except RuntimeError as exc:
+        raise click.BadParameter(f"{value!r} is not a torch device (cpu, cuda, cuda:1, mps)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise click.BadParameter(f"this torch build ({torch.__version__}) sees no CUDA device: use --device cpu, "
+                                 f"or install a CUDA build (make TORCH=... PIP_TORCH_FLAGS=...)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise click.BadParameter("MPS is not available here: use --device cpu")
+    return value
 
 
 data_option = click.option(
     "--data", "data_dir", envvar="SPHEROID_DATA", type=click.Path(), default=None,
     help="WikiText folder (wiki.{train,valid,test}.{tokens,raw}, plain or .xz); default $SPHEROID_DATA.",
 )
-device_option = click.option("--device", default=None, help="torch device; default cuda when present, else cpu.")
+device_option = click.option("--device", default=None, callback=check_device,
+                             help="torch device  [default: cuda when present, else cpu]")
+POSITIVE = click.IntRange(min=1)
+
+
+def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise click.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def read_config_file(path: str) -> dict:
+    """A configuration file as a dict: JSON or TOML (by extension). A checkpoint's JSON record (as
+    written beside every checkpoint) stands for the run configuration it holds."""
+    text = Path(path).read_text()
+    try:
+        data = tomllib.loads(text) if path.endswith(".toml") else json.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise click.BadParameter(f"{path} is not valid {'TOML' if path.endswith('.toml') else 'JSON'}: {exc}",
+                                 param_hint="--config") from exc
+    if not isinstance(data, dict):
+        raise click.BadParameter(f"{path} must hold an object", param_hint="--config")
+    if data.get("format") == checkpoint.FORMAT and isinstance(data.get("config"), dict):
+        return data["config"]
+    return data
+
+
+COMMAND_TABLES = ("node",)  # commands whose flags a config file may hold, in a table of the command's name
+
+
+def config_file_defaults(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--config: the file's [node] (or [swarm], ...) table becomes the defaults of this command's
+    flags, so one file can hold a node's whole setup; flags on the command line still win."""
+    if value is None or ctx.info_name not in COMMAND_TABLES:
+        return value
+    table = read_config_file(value).get(ctx.info_name, {})
+    if not isinstance(table, dict):
+        raise click.BadParameter(f"{value}: [{ctx.info_name}] must be a table of flags", param_hint="--config")
+    known = {p.name for p in ctx.command.params}
+    flags = {k.replace("-", "_"): v for k, v in table.items()}
+    unknown = sorted(set(flags) - known)
+    if unknown:
+        raise click.BadParameter(f"{value}: [{ctx.info_name}] has no flag(s) {unknown}", param_hint="--config")
+    ctx.default_map = {**(ctx.default_map or {}), **flags}
+    return value
+
+
+def config_option(what: str):
+    return click.option(
+        "--config", "config_file", type=click.Path(exists=True, dir_okay=False), is_eager=True,
+        callback=config_file_defaults,
+        help=f"A JSON or TOML file: model/noise/train tables (a RunConfig, or a checkpoint's JSON record){what}; "
+             "flags override it.")
 
 
 def load_config(config_file: str | None, **model_noise_train) -> RunConfig:
-    """The run configuration: a JSON file (or the defaults) with command-line overrides on top."""
-    cfg = RunConfig.from_json(Path(config_file).read_text()) if config_file else RunConfig()
+    """The run configuration: a file (or the defaults) with command-line overrides on top."""
+    if config_file:
+        data = read_config_file(config_file)
+        run = {k: v for k, v in data.items() if k in ("model", "noise", "train")}
+        unknown = sorted(set(data) - {"model", "noise", "train", *COMMAND_TABLES})
+        if unknown:
+            raise click.BadParameter(f"{config_file}: unknown table(s) {unknown}; a run configuration has model, "
+                                     f"noise and train, and flags of a command go under its name (node, ...)",
+                                     param_hint="--config")
+        try:
+            cfg = RunConfig.from_dict(run)
+        except ValueError as exc:
+            raise click.BadParameter(f"{config_file}: {exc}", param_hint="--config") from exc
+    else:
+        cfg = RunConfig()
     groups = {"model": {}, "noise": {}, "train": {}}
     for key, value in model_noise_train.items():
         group, field = key.split("__")
         groups[group][field] = value
-    return RunConfig(
-        model=override(cfg.model, **groups["model"]),
-        noise=override(cfg.noise, **groups["noise"]),
-        train=override(cfg.train, **groups["train"]),
-    )
+    try:
+        return RunConfig(
+            model=override(cfg.model, **groups["model"]),
+            noise=override(cfg.noise, **groups["noise"]),
+            train=override(cfg.train, **groups["train"]),
+        )
+    except ValueError as exc:  # values that do not go together, such as --n-heads that does not divide --d-model
+        raise click.UsageError(f"{exc}") from exc
+
+
+def default(group: type, name: str) -> str:
+    """`[default: X]` from a configuration dataclass, for help texts."""
+    return f"[default: {next(f.default for f in dataclasses.fields(group) if f.name == name)}]"
 
 
 def run_config_options(func):
     """The model, noise and training flags shared by `train` and `node` (they override --config)."""
+    m, n, t = ModelConfig, NoiseConfig, TrainConfig
     options = [
-        click.option("--steps", "train__steps", type=int),
-        click.option("--batch", "train__batch", type=int),
-        click.option("--lr", "train__lr", type=float),
-        click.option("--warmup", "train__warmup", type=int, help="Steps of linear learning-rate warmup."),
-        click.option("--seed", "train__seed", type=int),
-        click.option("--d-model", "model__d_model", type=int),
-        click.option("--n-heads", "model__n_heads", type=int),
-        click.option("--layers-per-block", "model__layers_per_block", type=int),
-        click.option("--n-blocks", "model__n_blocks", type=int,
-                     help="Blocks of the model (for --reference: depth is n_blocks x layers_per_block)."),
-        click.option("--context", "model__context", type=int),
-        click.option("--chunk", "model__chunk", type=int,
-                     help="K: the chunk of the attention mask blocks train with (1 = next byte; K > 1 for sweeps)."),
-        click.option("--codebook-seed", "model__codebook_seed", type=int),
-        click.option("--codebook-norm", "model__codebook_norm", type=float),
+        click.option("--steps", "train__steps", type=click.IntRange(min=0),
+                     help=f"Optimizer steps (per block). {default(t, 'steps')}"),
+        click.option("--batch", "train__batch", type=POSITIVE, help=f"Windows per step. {default(t, 'batch')}"),
+        click.option("--lr", "train__lr", type=float, help=f"Peak learning rate (AdamW). {default(t, 'lr')}"),
+        click.option("--warmup", "train__warmup", type=click.IntRange(min=0),
+                     help=f"Steps of linear learning-rate warm-up. {default(t, 'warmup')}"),
+        click.option("--seed", "train__seed", type=int,
+                     help=f"Seed of the initial weights, the batches and the noise. {default(t, 'seed')}"),
+        click.option("--d-model", "model__d_model", type=POSITIVE, help=f"Model width. {default(m, 'd_model')}"),
+        click.option("--n-heads", "model__n_heads", type=POSITIVE,
+                     help=f"Attention heads (must divide --d-model). {default(m, 'n_heads')}"),
+        click.option("--layers-per-block", "model__layers_per_block", type=POSITIVE,
+                     help=f"Transformer layers of each block. {default(m, 'layers_per_block')}"),
+        click.option("--n-blocks", "model__n_blocks", type=POSITIVE,
+                     help=f"Blocks of the model; an end-to-end reference is n_blocks x layers_per_block deep. "
+                          f"{default(m, 'n_blocks')}"),
+        click.option("--context", "model__context", type=click.IntRange(min=2),
+                     help=f"Bytes of context a block reads. {default(m, 'context')}"),
+        click.option("--chunk", "model__chunk", type=POSITIVE,
+                     help=f"K: the chunk of the attention mask blocks train with (1 = next byte; K > 1 for sweeps). "
+                          f"{default(m, 'chunk')}"),
+        click.option("--codebook-seed", "model__codebook_seed", type=int,
+                     help=f"Seed of the fixed target codebook. {default(m, 'codebook_seed')}"),
+        click.option("--codebook-norm", "model__codebook_norm", type=float,
+                     help=f"Row norm of the codebook. {default(m, 'codebook_norm')}"),
         click.option("--codebook-file", "model__codebook_file", help="Genesis codebook (from `spheroid codebook`)."),
         click.option("--codebook-sha256", "model__codebook_sha256", help="sha256 the genesis codebook file must have."),
         click.option("--edm-skip/--no-edm-skip", "model__edm_skip", default=None,
-                     help="EDM's skip path c_skip * z in the denoiser (method.md has it; the default is without)."),
+                     help="EDM's skip path c_skip * z in the denoiser (method.md has it).  [default: without]"),
         click.option("--layout", "model__layout", type=click.Choice(["concat", "merged"]),
-                     help="Block token layout: concat ([clean | noisy], any K; the default) or merged (one token "
-                          "per byte, K = 1 only: half the activation memory, no sweep decoding or serving)."),
+                     help="Block token layout: concat ([clean | noisy], any K) or merged (one token per byte, K = 1 "
+                          "only: half the activation memory, no relay, sweeps or serving).  [default: concat]"),
         click.option("--channel", "model__channel", type=click.Choice(["relay", "z"]),
                      help="What a block reads of the blocks before it besides z: relay (its clean stream starts "
-                          "from the previous block's, so the stack computes its full depth on the context; the "
-                          "default of `train`) or z only (method.md; what swarm nodes train)."),
+                          "from the previous block's, so the stack computes its full depth on the context) or z "
+                          "only (method.md).  [default: relay for train, z for node]"),
         click.option("--reference-layout", "model__reference_layout", type=click.Choice(["plain", "two_stream"]),
-                     help="--reference only: a plain causal transformer, or the blocks' two streams (a clean "
-                          "stream, and a query token per position reading it)."),
-        click.option("--refresh-every", "train__refresh_every", type=int,
-                     help="Train all blocks at once: publish this block into --out and reload the earlier blocks' "
-                          "newest snapshots every R steps (genesis states until they appear); 0 = in order."),
-        click.option("--p-mean", "noise__p_mean", type=float),
-        click.option("--p-std", "noise__p_std", type=float),
-        click.option("--sigma-min", "noise__sigma_min", type=float),
-        click.option("--sigma-max", "noise__sigma_max", type=float),
+                     help="The end-to-end reference's layout (train --reference): a plain causal transformer, or "
+                          "the blocks' two streams (a clean stream, and a query token per position reading it).  "
+                          "[default: plain]"),
+        click.option("--p-mean", "noise__p_mean", type=float,
+                     help=f"Mean of log sigma's training distribution. {default(n, 'p_mean')}"),
+        click.option("--p-std", "noise__p_std", type=float,
+                     help=f"Standard deviation of log sigma. {default(n, 'p_std')}"),
+        click.option("--sigma-min", "noise__sigma_min", type=float,
+                     help=f"Lowest noise level. {default(n, 'sigma_min')}"),
+        click.option("--sigma-max", "noise__sigma_max", type=float,
+                     help=f"Highest noise level (the chain starts there). {default(n, 'sigma_max')}"),
         click.option("--block-input", "train__block_input", type=click.Choice(["noised", "chain"]),
-                     help="noised: e(y) + sigma eps (method.md; what swarm nodes do); chain: states of the earlier "
-                          "blocks' chain, which must already be in --out (`train` only)."),
+                     help="What a block learns to denoise: noised (e(y) + sigma eps, method.md) or chain (the "
+                          "states the earlier, frozen blocks' chain reaches).  [default: chain for train, noised "
+                          "for node]"),
+        click.option("--refresh-every", "train__refresh_every", type=click.IntRange(min=0),
+                     help="Train all blocks at once: publish this block into --out and reload the earlier blocks' "
+                          "newest snapshots every R steps (their genesis states until they appear); 0 = the "
+                          "earlier blocks are trained first.  [default: 0]"),
     ]
     for option in reversed(options):
         func = option(func)
@@ -138,51 +312,97 @@ def run_config_options(func):
 
 
 @main.command()
-@click.option("--block", type=int, default=None, help="Train this block (0 = highest noise band).")
+@click.option("--block", type=click.IntRange(min=0), default=None,
+              help="Train this block (0 = the highest noise band, the first of the chain).")
 @click.option("--reference", is_flag=True, help="Train the end-to-end reference instead of a block.")
 @click.option("--out", type=click.Path(file_okay=False), default="checkpoints/local", show_default=True,
-              help="Checkpoint folder; blocks trained into one folder form the assembled model.")
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-              help="RunConfig JSON (as written beside every checkpoint); flags override it.")
+              help="Checkpoint folder; blocks trained into one folder form the assembled model. A rerun into it "
+                   "resumes an interrupted run.")
+@config_option("")
 @run_config_options
-@click.option("--save-every", type=int, default=0, help="Also snapshot into OUT/steps/<step>/ every N steps.")
+@click.option("--save-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Also snapshot the weights into OUT/steps/<step>/ every N steps (learning curves).")
+@click.option("--resume-every", type=click.IntRange(min=0), default=200, show_default=True,
+              help="Save the resumable state (weights, AdamW, RNGs, data position) every N steps; it is also "
+                   "saved on Ctrl-C or SIGTERM and at the end.")
+@click.option("--fresh", is_flag=True, help="Start over: ignore (and replace) a resumable state in OUT.")
+@click.option("--log-every", type=POSITIVE, default=50, show_default=True, help="A progress line every N steps.")
 @click.option("--metrics", type=click.Path(dir_okay=False), help="Write wall time, FLOPs and peak memory as JSON.")
 @data_option
 @device_option
-@fail_clearly
-def train(block, reference, out, config_file, save_every, metrics, data_dir, device, **overrides) -> None:
-    """Train one block (--block B) or the end-to-end reference (--reference)."""
+@command
+def train(block, reference, out, config_file, save_every, resume_every, fresh, log_every, metrics, data_dir, device,
+          **overrides) -> None:
+    """Train one block (--block B) or the end-to-end reference (--reference).
+
+    Ctrl-C (or SIGTERM) saves a resumable state and exits with status 130; running the same command
+    again continues from it and ends on the weights an uninterrupted run ends on."""
     if (block is None) == (not reference):
         raise click.UsageError("give exactly one of --block B or --reference")
     cfg = load_config(config_file, **overrides)
+    if cfg.train.steps < 1:
+        raise click.BadParameter("train needs at least one step", param_hint="--steps")
+    if block is not None and block >= cfg.model.n_blocks:
+        raise click.BadParameter(f"the model has blocks 0-{cfg.model.n_blocks - 1}", param_hint="--block")
     dev = pick_device(device)
     data = load_bytes(data_dir, "train")
+    folder, name = Path(out), checkpoint.REFERENCE if reference else checkpoint.block_name(block)
+    if fresh:
+        clear_run(folder, name)
     log.info("training on %d bytes of wiki.train.tokens, device %s", data.numel(), dev)
-    if reference:
-        result = train_reference(cfg, data, Path(out), dev, save_every)
-    else:
-        result = train_block(cfg, block, data, Path(out), dev, save_every)
-    click.echo(f"done in {result.wall_s:.1f}s: loss {result.final_loss:.4f} ce {result.final_ce:.4f}; "
+    stop = threading.Event()
+    options = {"save_every": save_every, "log_every": log_every, "resume_every": resume_every, "stop": stop}
+    with stop_on_signals(stop):
+        try:
+            if reference:
+                result = train_reference(cfg, data, folder, dev, **options)
+            else:
+                result = train_block(cfg, block, data, folder, dev, **options)
+        except Interrupted as exc:
+            click.echo(f"{exc}: run the same command again to continue (--fresh to start over)", err=True)
+            sys.exit(130)
+    click.echo(f"done in {duration(result.wall_s)}: loss {result.final_loss:.4f} ce {result.final_ce:.4f}; "
                f"checkpoint in {out}")
     if metrics:
         Path(metrics).write_text(json.dumps({**vars(result), "config": cfg.to_dict()}, indent=2))
 
 
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event):
+    """While inside, the first SIGINT or SIGTERM sets `stop` (the trainer saves and stops after its
+    step); a second SIGINT interrupts at once."""
+    def first(signum: int, _frame) -> None:
+        log.warning("%s: stopping after this step (again to abort at once)", signal.Signals(signum).name)
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = {sig: signal.signal(sig, first) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 @main.command(name="eval")
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False))
-@click.option("--split", type=click.Choice(["valid", "test"]), default="valid", show_default=True)
-@click.option("--variant", type=click.Choice(["tokens", "raw"]), default="tokens", show_default=True)
-@click.option("--k", "chunk", type=int, default=None, help="Chunk size of the attention mask (default: trained K).")
-@click.option("--draws", type=int, default=8, show_default=True, help="M: noise draws averaged.")
-@click.option("--steps-per-block", type=int, default=None, help="Euler steps per block (default: as trained).")
-@click.option("--churn", type=float, default=None, help="Stochastic sampler: noise re-injected per step.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--windows", type=int, default=256, show_default=True, help="Evaluation windows, evenly spaced.")
+@click.option("--split", type=click.Choice(["valid", "test"]), default="valid", show_default=True,
+              help="Which WikiText split to score.")
+@click.option("--variant", type=click.Choice(["tokens", "raw"]), default="tokens", show_default=True,
+              help="wiki.*.tokens (<unk> for rare words) or wiki.*.raw.")
+@click.option("--k", "chunk", type=POSITIVE, default=None,
+              help="Chunk size of the attention mask.  [default: as trained]")
+@click.option("--draws", type=POSITIVE, default=8, show_default=True, help="M: noise draws averaged.")
+@click.option("--steps-per-block", type=POSITIVE, default=None, help="Euler steps per block.  [default: as trained]")
+@click.option("--churn", type=click.FloatRange(min=0), default=None,
+              help="Stochastic sampler: noise re-injected per step.  [default: as trained]")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the chain's starting noise.")
+@click.option("--windows", type=POSITIVE, default=256, show_default=True, help="Evaluation windows, evenly spaced.")
 @click.option("--bound", is_flag=True, help="Also the variational bound (VDM) of the blocks' diffusion model.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @data_option
 @device_option
-@fail_clearly
+@command
 def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, windows, bound, as_json, data_dir,
              device) -> None:
     """CE of the chain in CKPT started from pure noise with a clean context (and of a reference there)."""
@@ -220,77 +440,142 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
             click.echo(f"  {label:<30} CE {ce:.4f} nats/byte  {bits:.4f} bits/byte  PPL {ppl:.3f}")
 
 
+def tls_options(func):
+    """--tls-cert, --tls-key, --tls-ca: TLS on every connection, mutual with a CA."""
+    for name, text in (("--tls-ca", "CA certificate: verify peers against it (mutual TLS)."),
+                       ("--tls-key", "TLS private key (PEM)."), ("--tls-cert", "TLS certificate (PEM).")):
+        func = click.option(name, type=click.Path(exists=True, dir_okay=False), help=text)(func)
+    return func
+
+
+def client_options(func):
+    """How a client reaches a swarm: its id, its secret, TLS (as the nodes of that swarm were started)."""
+    options = [
+        click.option("--swarm", default="spheroid", show_default=True, help="Swarm id the node belongs to."),
+        click.option("--secret-file", type=click.Path(exists=True, dir_okay=False),
+                     help="The swarm secret, when its nodes were started with one."),
+        click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+                     help="Seconds to wait in all.  [default: 10 for status and assemble, 300 for generate, "
+                          "600 for score]"),
+    ]
+    for option in reversed(options):
+        func = option(func)
+    return tls_options(func)
+
+
+def client_config(swarm: str, timeout: float, tls_cert: str | None, tls_key: str | None,
+                  tls_ca: str | None) -> NodeConfig:
+    """A client's NodeConfig: waits for one reply at most 30 s (a long request keeps pinging)."""
+    return NodeConfig(swarm=swarm, role="client", timeout=min(timeout, 30.0), tls_cert=tls_cert, tls_key=tls_key,
+                      tls_ca=tls_ca)
+
+
+class ByteWriter:
+    """Writes a model's bytes to stdout as they come: unchanged with `raw`, else as UTF-8 text with
+    every byte that is not part of valid UTF-8 shown visibly as \\xNN (nothing is dropped)."""
+
+    def __init__(self, raw: bool) -> None:
+        self.raw = raw
+        self.stream = click.get_binary_stream("stdout")
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
+
+    def write(self, data: bytes, final: bool = False) -> None:
+        self.stream.write(data if self.raw else self.decoder.decode(data, final).encode())
+        self.stream.flush()
+
+
 @main.command()
 @click.argument("target", required=False)
 @click.option("--peer", default=None, help="Generate through the pipeline this serving node coordinates; "
                                           "TARGET is then the prompt.")
 @click.option("--prompt", default="", help="Text to continue (locally; with --peer give it as TARGET).")
-@click.option("--bytes", "n_bytes", type=int, default=200, show_default=True)
+@click.option("--bytes", "n_bytes", type=click.IntRange(1, 1 << 16), default=200, show_default=True,
+              help="How many bytes to generate.")
 @click.option("--mode", type=click.Choice(["sweep", "ar"]), default="sweep", show_default=True,
               help="With --peer: sweep (K bytes per traversal) or ar (one byte per traversal, streamed).")
-@click.option("--k", "chunk", type=int, default=None, help="Bytes denoised per traversal (default 1; "
-                                                          "with --mode sweep, all --bytes at once).")
+@click.option("--k", "chunk", type=POSITIVE, default=None,
+              help="Bytes denoised per traversal.  [default: 1; with --peer --mode sweep, as many as the window "
+                   "holds]")
 @click.option("--route", default="auto", show_default=True,
               help="With --peer: auto (from membership, lowest RTT) or node ids (or prefixes) A,B,C in order.")
-@click.option("--temperature", type=float, default=0.8, show_default=True, help="0 = most likely byte.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--timeout", type=float, default=300.0, show_default=True, help="With --peer: seconds in all.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True, callback=finite,
+              help="0 = the most likely byte.")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
+              help="Seed of the noise and the sampling.")
+@click.option("--raw", is_flag=True, help="Write the model's bytes to stdout unchanged (by default bytes that are "
+                                         "not UTF-8 are shown as \\xNN).")
+@client_options
 @device_option
-@fail_clearly
-def generate(target, peer, prompt, n_bytes, mode, chunk, route, temperature, seed, timeout, device) -> None:
+@command
+def generate(target, peer, prompt, n_bytes, mode, chunk, route, temperature, seed, raw, swarm, secret_file, timeout,
+             tls_cert, tls_key, tls_ca, device) -> None:
     """Generate bytes: `generate CKPT --prompt TEXT` locally, or `generate --peer HOST:PORT TEXT` in a swarm."""
+    out = ByteWriter(raw)
     if peer is None:
         if target is None or not Path(target).is_dir():
             raise click.UsageError("give a checkpoint folder (or --peer HOST:PORT to use a swarm)")
         dev = pick_device(device)
         cfg, blocks, codebook = load_chain(target, dev)
-        text = run_chain(blocks, cfg.noise, codebook, prompt.encode(), n_bytes, chunk or 1, temperature, seed)
-        click.echo(prompt + text.decode("utf-8", errors="replace"))
+        text = as_bytes(prompt)
+        out.write(text + run_chain(blocks, cfg.noise, codebook, text, n_bytes, chunk or 1, temperature, seed) + b"\n",
+                  final=True)
         return
-    prompt = target if target is not None else prompt
-    k = chunk or (n_bytes if mode == "sweep" else 1)
-    cfg = NodeConfig(role="client", timeout=min(timeout, 30.0))
-    stdout = click.get_binary_stream("stdout")  # the model's bytes as they are, as they come
-
-    def show(data: bytes) -> None:
-        stdout.write(data)
-        stdout.flush()
-
-    show(prompt.encode())
+    if target is not None and Path(target).is_dir():
+        raise click.UsageError(f"{target} is a checkpoint folder, but --peer generates through the swarm: give the "
+                               f"prompt as TARGET (or drop --peer to generate from {target} here)")
+    text = as_bytes(target if target is not None else prompt)
+    k = 1 if mode == "ar" else (chunk or 0)  # 0: the coordinator takes as many as the window holds
+    cfg = client_config(swarm, timeout or 300.0, tls_cert, tls_key, tls_ca)
+    out.write(text)
 
     async def ask() -> dict:
-        hops = await resolve_route(peer, cfg, route)
-        request = {"prompt": prompt.encode(), "n_bytes": n_bytes, "mode": mode, "k": k,
-                   "temperature": temperature, "seed": seed, "route": hops}
-        return await remote_generate(peer, cfg, request, on_bytes=show, timeout=timeout)
+        hops = await resolve_route(peer, cfg, route, read_secret(secret_file))
+        request = {"prompt": text, "n_bytes": n_bytes, "mode": mode, "k": k, "temperature": temperature,
+                   "seed": seed, "route": hops}
+        return await remote_generate(peer, cfg, request, on_bytes=out.write, timeout=timeout or 300.0,
+                                     secret=read_secret(secret_file))
 
     result = run_client(ask, f"request to {peer} failed")
-    show(b"\n")
+    out.write(b"\n", final=True)
     log.info("%d bytes in %d traversals via %s", result["bytes"], result["traversals"],
              " -> ".join(h[0][:8] for h in result["route"]))
+
+
+def as_bytes(text: str) -> bytes:
+    """A command-line string as the bytes the user typed (bytes that are not UTF-8 included)."""
+    return text.encode("utf-8", errors="surrogateescape")
 
 
 @main.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--peer", required=True, help="A serving node: it coordinates the request.")
-@click.option("--k", "chunk", type=int, default=1, show_default=True, help="Chunk size of the attention mask.")
+@click.option("--k", "chunk", type=POSITIVE, default=1, show_default=True, help="Chunk size of the attention mask.")
 @click.option("--route", default="auto", show_default=True, help="auto, or node ids (or prefixes) A,B,C.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--timeout", type=float, default=600.0, show_default=True)
-@fail_clearly
-def score(file, peer, chunk, route, seed, timeout) -> None:
-    """CE of FILE through the swarm's pipeline: one traversal per window, one draw (M = 1)."""
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
+              help="Seed of the chain's starting noise.")
+@client_options
+@command
+def score(file, peer, chunk, route, seed, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) -> None:
+    """CE of FILE through the swarm's pipeline: one traversal per window, one draw (M = 1).
+
+    The text is cut into windows of the model's context + 1 bytes, each overlapping the next by one
+    byte; a tail too short for a window is not scored (the report says how many bytes that was)."""
     text = Path(file).read_bytes()
-    cfg = NodeConfig(role="client", timeout=min(timeout, 30.0))
+    cfg = client_config(swarm, timeout or 600.0, tls_cert, tls_key, tls_ca)
 
     async def ask() -> dict:
-        request = {"text": text, "chunk": chunk, "seed": seed, "route": await resolve_route(peer, cfg, route)}
-        return await remote_score(peer, cfg, request, timeout=timeout)
+        secret = read_secret(secret_file)
+        request = {"text": text, "chunk": chunk, "seed": seed, "route": await resolve_route(peer, cfg, route, secret)}
+        return await remote_score(peer, cfg, request, timeout=timeout or 600.0, secret=secret)
 
     result = run_client(ask, f"request to {peer} failed")
     ce = result["nll"] / result["count"]
-    click.echo(f"{file}: {result['count']} bytes in {result['windows']} windows, CE {ce:.4f} nats/byte "
-               f"({ce / math.log(2):.4f} bits/byte, M = 1)")
+    window = result["count"] // max(result["windows"], 1)
+    left = len(text) - 1 - result["count"]
+    click.echo(f"{file}: {len(text)} bytes; {result['count']} predicted in {result['windows']} windows of {window}, "
+               f"CE {ce:.4f} nats/byte ({ce / math.log(2):.4f} bits/byte, M = 1)")
+    if left:
+        click.echo(f"the last {left} bytes were not scored: they do not fill a window of {window + 1} bytes")
 
 
 def run_client(ask, what: str):
@@ -308,11 +593,11 @@ def run_client(ask, what: str):
     return result[0]
 
 
-async def resolve_route(peer: str, cfg: NodeConfig, route: str) -> list:
+async def resolve_route(peer: str, cfg: NodeConfig, route: str, secret: bytes | None) -> list:
     """[] for auto; else the named nodes (ids or unique prefixes) as route entries, from peer's status."""
     if route == "auto":
         return []
-    status = await fetch_status(peer, cfg)
+    status = await fetch_status(peer, cfg, secret)
     members = [(status["node"], status["addr"], status.get("serves", []))]
     members += [(p["node"], p["addr"], p.get("serves", [])) for p in status["peers"]]
     hops = []
@@ -328,7 +613,7 @@ async def resolve_route(peer: str, cfg: NodeConfig, route: str) -> list:
 @main.command()
 @click.argument("reference", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Where to write the codebook.")
-@fail_clearly
+@command
 def codebook(reference, out) -> None:
     """Make a genesis codebook from the byte embedding of a trained reference in REFERENCE."""
     digest = write_genesis_codebook(reference, out)
@@ -355,13 +640,6 @@ def read_secret(path: str | None) -> bytes | None:
     return secret
 
 
-def tls_options(func):
-    for name, text in (("--tls-ca", "CA certificate: verify peers against it (mutual TLS)."),
-                       ("--tls-key", "TLS private key (PEM)."), ("--tls-cert", "TLS certificate (PEM).")):
-        func = click.option(name, type=click.Path(exists=True, dir_okay=False), help=text)(func)
-    return func
-
-
 @main.command()
 @click.option("--listen", default="127.0.0.1:7400", show_default=True, help="HOST:PORT to serve on.")
 @click.option("--peer", "peers", multiple=True, help="Seed peer HOST:PORT (repeatable).")
@@ -371,54 +649,61 @@ def tls_options(func):
               help="Swarm secret: peers must prove they hold it before anything else is accepted.")
 @click.option("--identity", default="node-identity.json", show_default=True,
               help="Node identity file, created on first run; the peer table is saved beside it.")
-@click.option("--role", default="worker", show_default=True)
-@click.option("--block", "block", type=int, default=None,
+@click.option("--role", default="worker", show_default=True,
+              help="What this node tells its peers it is (shown in their peer tables; clients use 'client').")
+@click.option("--block", "block", type=click.IntRange(min=0), default=None,
               help="Train this block with the other nodes that train it (needs --data).")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Where the training node checkpoints after every round (default node-block-<B>).")
-@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
-              help="RunConfig JSON; flags override it. Every replica of a block must use the same model.")
+@config_option(", and a [node] table of this command's flags (every replica of a block must use the same "
+               "model)")
 @run_config_options
-@click.option("--every", type=int, default=AveragingConfig.every, show_default=True,
+@click.option("--every", type=POSITIVE, default=AveragingConfig.every, show_default=True,
               help="H: local steps between averaging rounds.")
 @click.option("--codec", type=click.Choice(sorted(CODECS)), default=AveragingConfig.codec, show_default=True,
               help="How updates travel.")
 @click.option("--lz4/--no-lz4", default=AveragingConfig.lz4, show_default=True, help="lz4 on top of the codec.")
-@click.option("--wait", type=float, default=AveragingConfig.wait, show_default=True,
+@click.option("--wait", type=click.FloatRange(min=0), default=AveragingConfig.wait, show_default=True,
               help="Round deadline: seconds to wait for peers' updates once this node's own is ready.")
 @click.option("--outer", type=click.Choice(OUTER_STEPS), default=AveragingConfig.outer, show_default=True,
               help="Outer step: plain averaging (the paper) or Nesterov momentum on the averaged update (DiLoCo).")
-@click.option("--outer-lr", type=float, default=AveragingConfig.outer_lr, show_default=True)
-@click.option("--outer-momentum", type=float, default=AveragingConfig.outer_momentum, show_default=True)
+@click.option("--outer-lr", type=float, default=AveragingConfig.outer_lr, show_default=True,
+              help="Learning rate of the Nesterov outer step (--outer nesterov).")
+@click.option("--outer-momentum", type=float, default=AveragingConfig.outer_momentum, show_default=True,
+              help="Momentum of the Nesterov outer step (--outer nesterov).")
 @click.option("--serve", default=None, help="Serve these consecutive blocks for inference, e.g. 0-1 (needs "
                                              "--checkpoint).")
 @click.option("--checkpoint", "serve_from", type=click.Path(exists=True, file_okay=False),
               help="Checkpoint folder the --serve blocks are loaded from.")
 @click.option("--serve-reference", is_flag=True,
               help="Serve the end-to-end reference's layers for those blocks instead (the AR baseline).")
-@click.option("--hop-timeout", type=float, default=10.0, show_default=True,
+@click.option("--hop-timeout", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="Seconds a coordinated traversal may take before it is re-routed.")
-@click.option("--cache-mb", type=float, default=256.0, show_default=True,
+@click.option("--cache-mb", type=click.FloatRange(min=0), default=256.0, show_default=True,
               help="Memory for sessions' cached keys and values (clean context; the reference's layers).")
-@click.option("--session-ttl", type=float, default=300.0, show_default=True,
+@click.option("--session-ttl", type=click.FloatRange(min=0), default=300.0, show_default=True,
               help="Seconds an idle session's cache is kept.")
-@click.option("--threads", type=int, default=1, show_default=True, help="torch threads for training and serving.")
-@click.option("--status-interval", type=float, default=5.0, show_default=True, help="Seconds between status lines.")
+@click.option("--threads", type=POSITIVE, default=1, show_default=True, help="torch threads for training and serving.")
+@click.option("--status-interval", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+              help="Seconds between status lines.")
 @data_option
 @tls_options
-@fail_clearly
+@command
 def node(listen, peers, announce, swarm, secret_file, identity, role, block, out, config_file, every, codec, lz4,
          wait, outer, outer_lr, outer_momentum, serve, serve_from, serve_reference, hop_timeout, cache_mb, session_ttl,
          threads, status_interval, data_dir, tls_cert, tls_key, tls_ca, **overrides) -> None:
     """Run a node: serve the protocol, join the swarm through --peer, train --block B and serve --serve
     blocks if given, until Ctrl-C."""
-    served = parse_blocks(serve) if serve else None
+    try:
+        served = parse_blocks(serve) if serve else None
+        cfg = NodeConfig(listen=listen, peers=tuple(peers), announce=announce, swarm=swarm, identity=identity,
+                         role=role, blocks=() if block is None else (block,), status_interval=status_interval,
+                         tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
+                         serves=tuple(range(served[0], served[1] + 1)) if served else ())
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     if served and not serve_from:
         raise click.UsageError("--serve needs --checkpoint DIR holding those blocks")
-    cfg = NodeConfig(listen=listen, peers=tuple(peers), announce=announce, swarm=swarm, identity=identity, role=role,
-                     blocks=() if block is None else (block,), status_interval=status_interval, tls_cert=tls_cert,
-                     tls_key=tls_key, tls_ca=tls_ca,
-                     serves=tuple(range(served[0], served[1] + 1)) if served else ())
     secret = read_secret(secret_file)
     ident = load_identity(cfg.identity)
     try:
@@ -447,40 +732,67 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
         ident.release()
 
 
+def parse_replicas(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        counts = [int(n) for n in value.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise click.BadParameter(f"{value!r}: give a positive count of nodes per block, like 2,1,1,1")
+    return counts
+
+
+def check_node_flags(flags: list[str]) -> None:
+    """Parse NODE_FLAGS as `spheroid node` will, and build their configuration, so that a bad one is
+    refused here, in one line, rather than in every node's log."""
+    parent = click.get_current_context()
+    try:
+        with node.make_context("node", [*flags, "--block", "0"], parent=parent) as ctx:
+            params = ctx.params
+    except click.ClickException as exc:
+        raise click.UsageError(f"a node flag: {exc.format_message()}") from exc
+    load_config(params["config_file"], **{k: v for k, v in params.items() if "__" in k})
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.option("--out", type=click.Path(file_okay=False), default="runs/swarm", show_default=True,
               help="Folder for the nodes' logs and checkpoints, the assembled model and metrics.json.")
-@click.option("--replicas", default="2,1,1,1", show_default=True,
+@click.option("--replicas", default="2,1,1,1", show_default=True, callback=parse_replicas,
               help="Nodes per block, comma-separated (block 0 first); the length is the number of blocks.")
-@click.option("--timeout", type=float, default=1800, show_default=True, help="Seconds to wait for training.")
+@click.option("--base-port", type=click.IntRange(1, 65535), default=None,
+              help="The nodes listen on 127.0.0.1 at BASE, BASE+1, ...  [default: free ports]")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=1800, show_default=True,
+              help="Seconds to wait for training.")
 @data_option
 @click.argument("node_flags", nargs=-1, type=click.UNPROCESSED)
-@fail_clearly
-def swarm(out, replicas, timeout, data_dir, node_flags) -> None:
+@command
+def swarm(out, replicas, base_port, timeout, data_dir, node_flags) -> None:
     """Run a swarm of trainer nodes on 127.0.0.1, one process each, until they finish; assemble it.
 
     NODE_FLAGS go to every `spheroid node` (model, steps, --every, --codec, ...), e.g.
-    `spheroid swarm --out runs/demo -- --steps 600 --d-model 64`.
+    `spheroid swarm --out runs/demo -- --steps 600 --d-model 64`. The lines show each node's CE on
+    its last batch and, beside it, the w(sigma)-weighted loss it minimises (larger than the CE).
     """
-    counts = [int(n) for n in replicas.split(",")]
-    if not counts or min(counts) < 1:
-        raise click.UsageError("--replicas needs a positive count per block, like 2,1,1,1")
     folder = Path(out)
-    flags = [*node_flags, "--n-blocks", str(len(counts))]
+    flags = [*node_flags, "--n-blocks", str(len(replicas))]
+    check_node_flags(flags)
     with LocalSwarm(folder / "nodes", data_dir, flags) as local:
         seed = None
-        for block, count in enumerate(counts):
+        for block, count in enumerate(replicas):
             for r in range(count):
-                member = local.add(f"b{block}-{chr(97 + r)}", block, seeds=[seed.listen] if seed else [])
+                listen = f"127.0.0.1:{base_port + len(local.members)}" if base_port else None
+                member = local.add(f"b{block}-{chr(97 + r)}", block, seeds=[seed.listen] if seed else [], listen=listen)
+                click.echo(f"{member.name:>8} | block {block} on {member.listen} | log {member.log}")
                 seed = seed or member
-        click.echo(f"started {len(local.members)} nodes (logs in {folder / 'nodes'}); training...")
+        click.echo(f"started {len(local.members)} nodes; training (ce: CE of the last batch; weighted loss: what "
+                   f"blocks minimise)...")
         members = local.wait_trained(timeout, show=click.echo)
         found = local.assemble(folder / "model")
         for block, holder, version in found:
             click.echo(f"block {block}: round {version.round}, {version.samples} samples, state {version.hash[:12]} "
                        f"from {holder}")
         codes = local.stop()
-    metrics = {"replicas": counts, "node_flags": list(node_flags),
+    metrics = {"replicas": replicas, "node_flags": list(node_flags),
                "nodes": {m.name: {"training": m.status["training"], "traffic": m.status["traffic"],
                                   "exit_code": codes[m.name]} for m in members},
                "assembled": [{"block": b, "holder": h, **v.to_wire()} for b, h, v in found]}
@@ -495,14 +807,11 @@ def swarm(out, replicas, timeout, data_dir, node_flags) -> None:
 @main.command()
 @click.option("--peer", required=True, help="HOST:PORT of any node of the swarm.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint folder to write.")
-@click.option("--swarm", default="spheroid", show_default=True)
-@click.option("--secret-file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--timeout", type=float, default=10.0, show_default=True)
-@tls_options
-@fail_clearly
+@client_options
+@command
 def assemble(peer, out, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) -> None:
     """Collect the newest state of every block from the swarm into a checkpoint `eval` and `generate` read."""
-    cfg = NodeConfig(swarm=swarm, role="client", timeout=timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
+    cfg = client_config(swarm, timeout or 10.0, tls_cert, tls_key, tls_ca)
     secret = read_secret(secret_file)
     found = run_client(lambda: assemble_swarm(peer, cfg, Path(out), secret), f"cannot assemble from {peer}")
     for block, holder, version in found:
@@ -513,14 +822,11 @@ def assemble(peer, out, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) 
 
 @main.command()
 @click.option("--peer", required=True, help="HOST:PORT of the node to ask.")
-@click.option("--swarm", default="spheroid", show_default=True)
-@click.option("--secret-file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--timeout", type=float, default=10.0, show_default=True)
-@tls_options
-@fail_clearly
+@client_options
+@command
 def status(peer, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) -> None:
     """Print a node's status (identity, peers, traffic counters) as JSON."""
-    cfg = NodeConfig(swarm=swarm, role="client", timeout=timeout, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca)
+    cfg = client_config(swarm, timeout or 10.0, tls_cert, tls_key, tls_ca)
     secret = read_secret(secret_file)
     result = run_client(lambda: fetch_status(peer, cfg, secret), f"cannot get the status of {peer}")
     click.echo(json.dumps(result, indent=2))

@@ -107,13 +107,17 @@ class LocalSwarm:
 
     def wait_trained(self, timeout: float, every: float = 5.0,
                      show: Callable[[str], None] | None = None) -> list[Member]:
-        """Poll until every member has trained all its steps; `show` gets one line per member each time."""
+        """Poll until every member has trained all its steps; `show` gets a member's line when it changed."""
         deadline = time.monotonic() + timeout
+        shown: dict[str, str] = {}
         while True:
             members = self.poll()
             if show is not None:
                 for m in members:
-                    show(status_line(m))
+                    line = status_line(m)
+                    if shown.get(m.name) != line:
+                        show(line)
+                        shown[m.name] = line
             if all(m.status.get("training", {}).get("done") for m in members):
                 return members
             if time.monotonic() > deadline:
@@ -147,6 +151,9 @@ def status_line(member: Member) -> str:
         return f"{member.name:>8} | starting"
     traffic = s["traffic"]
     moved = (traffic["sent"]["wire_bytes"] + traffic["received"]["wire_bytes"]) / 2**20
-    return (f"{member.name:>8} | block {t['block']} step {t['step']:>5}/{t['steps']} loss {t['loss']:.3f} | "
+    if t["step"] == 0:
+        return f"{member.name:>8} | block {t['block']} joined, waiting for its first step | peers {len(s['peers'])}"
+    return (f"{member.name:>8} | block {t['block']} step {t['step']:>5}/{t['steps']} "
+            f"ce {t.get('ce', float('nan')):.3f} (weighted loss {t['loss']:.2f}) | "
             f"round {t['round']:>3} state {t['version']['hash'][:8]} | peers {len(s['peers'])} | "
             f"moved {moved:.2f} MiB{' | done' if t['done'] else ''}")

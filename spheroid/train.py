@@ -9,10 +9,12 @@ the relay channel), forward only, and no gradient ever crosses a block boundary.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import resource
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from .config import NoiseConfig, RunConfig
 from .data import random_windows
 from .model import DiffusionBlock, Reference, make_codebook, parameter_count
 from .noise import loss_weight, sample_sigma, sigma_grid, training_band
+from .progress import Progress, duration
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +137,76 @@ def autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """An optimizer's state (AdamW: step, first and second moments per parameter) as named tensors,
+    so it can be written with safetensors and never with pickle."""
+    return {f"opt.{i}.{key}": torch.as_tensor(value).contiguous()
+            for i, entry in opt.state_dict()["state"].items() for key, value in entry.items()}
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
+    """The inverse of optimizer_tensors (other keys in `tensors` are ignored)."""
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith("opt."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+class Interrupted(Exception):
+    """Training stopped on request (SIGINT/SIGTERM) after saving a state it can resume from."""
+
+    def __init__(self, step: int, path: Path) -> None:
+        super().__init__(f"interrupted at step {step}; resumable state in {path}")
+        self.step, self.path = step, path
+
+
+def resume_name(name: str) -> str:
+    """The checkpoint entry of a trainer's resumable state: weights, AdamW, RNGs, step."""
+    return f"{name}.resume"
+
+
+def save_resume(out: Path, name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
+                cfg: RunConfig, state: dict) -> None:
+    """Everything a rerun needs to continue exactly where this run is: the weights, the optimizer,
+    the data sampler's and the global RNG states (the data position and the noise), the step."""
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+    tensors.update(optimizer_tensors(opt))
+    tensors["rng.global"] = torch.get_rng_state()
+    tensors["rng.data"] = gen.get_state()
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    checkpoint.save_tensors(out, resume_name(name), tensors, cfg, state)
+
+
+def load_resume(out: Path, name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
+                cfg: RunConfig) -> dict | None:
+    """Restore a resumable state saved in `out` by a run of the same configuration; its record, or
+    None when there is none."""
+    if not (out / f"{resume_name(name)}.json").exists():
+        return None
+    entry = checkpoint.load(out, resume_name(name))
+    if entry.config != cfg:
+        raise checkpoint.CheckpointError(
+            f"{out} holds a resumable {name} trained with another configuration: give another --out, or "
+            f"--fresh to start over there")
+    weights = {k.removeprefix("model."): v for k, v in entry.tensors.items() if k.startswith("model.")}
+    load_state(model, checkpoint.Entry(entry.name, entry.config, entry.state, weights, entry.sha256))
+    load_optimizer_tensors(opt, entry.tensors)
+    torch.set_rng_state(entry.tensors["rng.global"])
+    gen.set_state(entry.tensors["rng.data"])
+    if "rng.cuda" in entry.tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(entry.tensors["rng.cuda"])
+    return entry.state
+
+
+def clear_run(out: Path, name: str) -> None:
+    """Forget a trainer's resumable state and loss history in `out` (--fresh)."""
+    for suffix in (".resume.json", ".resume.safetensors", ".history.jsonl"):
+        (out / f"{name}{suffix}").unlink(missing_ok=True)
+
+
 @dataclass
 class FitResult:
     wall_s: float
@@ -157,27 +230,50 @@ def fit(
     save_every: int = 0,
     log_every: int = 50,
     after_step: Callable[[int, float], None] | None = None,
+    resume_every: int = 200,
+    stop: threading.Event | None = None,
 ) -> FitResult:
     """Train `model` for cfg.train.steps on random windows of `data`; checkpoint into `out`.
 
-    Every `save_every` steps a snapshot goes to out/steps/<step>/ (for learning curves); the final
-    weights go to out/. FLOPs of one step are counted once, at the first step, by torch's counter.
-    `after_step(done, loss)` runs after every step (a block trainer publishes and refreshes there).
+    The run can be resumed: every `resume_every` steps, when `stop` is set (then it raises
+    Interrupted) and at the end, it saves its whole state (`save_resume`); a later call with the same
+    `out` and configuration continues from there and ends on the weights an uninterrupted run ends
+    on. Every `save_every` steps a snapshot goes to out/steps/<step>/ (for learning curves); the
+    final weights go to out/; every log line also goes to out/<name>.history.jsonl. FLOPs of one
+    step are counted once, at the first step, by torch's counter. `after_step(done, loss)` runs
+    after every step (a block trainer publishes and refreshes there).
     """
     device = next(model.parameters()).device
     t = cfg.train
     gen = torch.Generator().manual_seed(t.seed)
     opt = make_optimizer(model, cfg)
     rss_before = peak_rss_mb()
-    flops_per_step = 0
+    resumed = load_resume(out, name, model, opt, gen, cfg) or {}
+    first, flops_per_step = resumed.get("step", 0), resumed.get("flops_per_step", 0)
+    loss_value, ce_value = resumed.get("loss", float("nan")), resumed.get("ce", float("nan"))
+    spent = resumed.get("wall_s", 0.0)  # seconds of training before this run
+    if first >= t.steps and (out / f"{name}.json").exists():
+        log.info("%s: already trained to step %d in %s (--fresh starts over)", name, first, out)
+        return FitResult(spent, flops_per_step, loss_value, ce_value, peak_rss_mb(), rss_before, 0.0,
+                         parameter_count(model))
+    if first:
+        log.info("%s: resumed from %s at step %d/%d, loss %.4f", name, out, first, t.steps, loss_value)
+    history = out / f"{name}.history.jsonl"
+    out.mkdir(parents=True, exist_ok=True)
+    if not first:
+        history.write_text("")
     started = time.monotonic()
-    last_log, loss_value, ce_value = started, float("nan"), float("nan")
+    last_log, last_step = started, first
 
-    for step in range(t.steps):
+    def state(done: int) -> dict:
+        return {"step": done, "loss": loss_value, "ce": ce_value, "flops_per_step": flops_per_step,
+                "wall_s": spent + time.monotonic() - started, **(state_extra or {})}
+
+    for step in range(first, t.steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, cfg)
         windows = random_windows(data, t.batch, cfg.model.context + 1, gen).to(device)
-        if step == 0:
+        if not flops_per_step:
             with FlopCounterMode(display=False) as counter:
                 loss, ce_value = train_step(model, loss_fn, opt, windows, gen, t.grad_clip)
             flops_per_step = counter.get_total_flops()
@@ -189,20 +285,28 @@ def fit(
         done = step + 1
         if done % log_every == 0 or done == t.steps:
             now = time.monotonic()
-            rate = log_every * t.batch * cfg.model.context / max(now - last_log, 1e-9)
-            log.info("%s step %d/%d loss %.4f ce %.4f lr %.2e %.0f bytes/s",
-                     name, done, t.steps, loss_value, ce_value, learning_rate(step, cfg), rate)
-            last_log = now
+            rate = (done - last_step) * t.batch * cfg.model.context / max(now - last_log, 1e-9)
+            eta = (t.steps - done) * (now - started) / (done - first)
+            log.info("%s step %d/%d loss %.4f ce %.4f lr %.2e %.0f bytes/s, eta %s",
+                     name, done, t.steps, loss_value, ce_value, learning_rate(step, cfg), rate, duration(eta))
+            with history.open("a") as f:
+                f.write(json.dumps({"step": done, "loss": loss_value, "ce": ce_value, "lr": learning_rate(step, cfg),
+                                    "bytes_per_s": rate, "wall_s": spent + now - started}) + "\n")
+            last_log, last_step = now, done
         if save_every and done % save_every == 0 and done < t.steps:
-            state = {"step": done, "loss": loss_value, "ce": ce_value, **(state_extra or {})}
-            checkpoint.save(out / "steps" / f"{done:06d}", name, model, cfg, state)
+            checkpoint.save(out / "steps" / f"{done:06d}", name, model, cfg, state(done))
         if after_step:
             after_step(done, loss_value)
-    wall = time.monotonic() - started
-    state = {"step": t.steps, "loss": loss_value, "ce": ce_value, "wall_s": wall, **(state_extra or {})}
-    checkpoint.save(out, name, model, cfg, state)
+        if stop is not None and stop.is_set() and done < t.steps:
+            save_resume(out, name, model, opt, gen, cfg, state(done))
+            raise Interrupted(done, out)
+        if resume_every and done % resume_every == 0 and done < t.steps:
+            save_resume(out, name, model, opt, gen, cfg, state(done))
+    final = state(t.steps)
+    checkpoint.save(out, name, model, cfg, final)
+    save_resume(out, name, model, opt, gen, cfg, final)  # a rerun knows it is done
     gpu = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
-    return FitResult(wall, flops_per_step, loss_value, ce_value, peak_rss_mb(), rss_before, gpu,
+    return FitResult(final["wall_s"], flops_per_step, loss_value, ce_value, peak_rss_mb(), rss_before, gpu,
                      parameter_count(model))
 
 
@@ -274,15 +378,13 @@ class EarlierBlocks:
 
 def load_earlier(folder: Path, b: int, index: int, cfg: RunConfig) -> checkpoint.Entry:
     """Block b, which block `index` reads, with an error that says what to train first."""
-    try:
-        entry = checkpoint.load(folder, checkpoint.block_name(b))
-    except checkpoint.CheckpointError as exc:
+    if not (folder / f"{checkpoint.block_name(b)}.json").exists():
+        reads = " and ".join(what for what, used in (("chain states", cfg.train.block_input == "chain"),
+                                                      ("the relay channel", cfg.model.channel == "relay")) if used)
         raise checkpoint.CheckpointError(
-            f"block {index} reads blocks 0..{index - 1} ({'chain states' if cfg.train.block_input == 'chain' else ''}"
-            f"{' and ' if cfg.train.block_input == 'chain' and cfg.model.channel == 'relay' else ''}"
-            f"{'the relay channel' if cfg.model.channel == 'relay' else ''}), and {exc}. Train them first "
-            f"(`spheroid train --block {b} --out {folder}`), or train all blocks at once with --refresh-every"
-        ) from exc
+            f"block {index} reads blocks 0-{index - 1} ({reads}), and {folder} has no block {b} yet: train it first "
+            f"(`spheroid train --block {b} --out {folder}`), or train all blocks at once with --refresh-every R")
+    entry = checkpoint.load(folder, checkpoint.block_name(b))
     checkpoint.require_same_model(entry, cfg, folder, "this run")
     return entry
 
@@ -312,7 +414,7 @@ def block_trainer(cfg: RunConfig, index: int, out: Path, device: torch.device
 
 
 def train_block(cfg: RunConfig, index: int, data: torch.Tensor, out: Path, device: torch.device,
-                save_every: int = 0) -> FitResult:
+                save_every: int = 0, **fit_options) -> FitResult:
     """Train block `index`: only this block is updated; it reads frozen copies of the blocks before
     it when its training needs them (`reads_earlier`)."""
     block, loss_fn, earlier = block_trainer(cfg, index, out, device)
@@ -329,17 +431,18 @@ def train_block(cfg: RunConfig, index: int, data: torch.Tensor, out: Path, devic
             log.info("block %d step %d: read newer earlier blocks %s", index, done,
                      ", ".join(f"{k}@{v['step']}" for k, v in earlier.versions.items()))
 
-    return fit(block, loss_fn, cfg, data, name, out, extra, save_every, after_step=publish_and_refresh)
+    return fit(block, loss_fn, cfg, data, name, out, extra, save_every, after_step=publish_and_refresh,
+               **fit_options)
 
 
 def train_reference(cfg: RunConfig, data: torch.Tensor, out: Path, device: torch.device,
-                    save_every: int = 0) -> FitResult:
+                    save_every: int = 0, **fit_options) -> FitResult:
     """Train the end-to-end reference (depth n_blocks * layers_per_block) with next-byte CE."""
     torch.manual_seed(cfg.train.seed)
     model = Reference(cfg.model).to(device)
     log.info("reference: %d layers, %s layout, %d parameters", cfg.model.n_blocks * cfg.model.layers_per_block,
              cfg.model.reference_layout, parameter_count(model))
-    return fit(model, reference_loss(model), cfg, data, checkpoint.REFERENCE, out, {}, save_every)
+    return fit(model, reference_loss(model), cfg, data, checkpoint.REFERENCE, out, {}, save_every, **fit_options)
 
 
 # --- evaluation ------------------------------------------------------------------------------------
@@ -381,10 +484,20 @@ def write_genesis_codebook(reference_folder: str | Path, out: str | Path) -> str
 
 
 def load_state(module: torch.nn.Module, entry: checkpoint.Entry) -> None:
-    try:
-        module.load_state_dict(entry.tensors)
-    except RuntimeError as exc:
-        raise checkpoint.CheckpointError(f"{entry.name}: weights do not fit its configuration: {exc}") from exc
+    """Load a checkpoint's weights; a mismatch is one line naming the first difference and the count."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(entry.tensors))
+    unexpected = sorted(set(entry.tensors) - set(expected))
+    wrong = [k for k in expected if k in entry.tensors and entry.tensors[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        first = (f"{wrong[0]} is {tuple(entry.tensors[wrong[0]].shape)} where the configuration makes "
+                 f"{tuple(expected[wrong[0]].shape)}" if wrong else
+                 f"{(missing or unexpected)[0]} is {'missing' if missing else 'not part of the model'}")
+        raise checkpoint.CheckpointError(
+            f"{entry.name}: its weights do not fit its configuration ({first}; {len(wrong)} shapes differ, "
+            f"{len(missing)} missing, {len(unexpected)} unexpected): the record and the weights file belong to "
+            f"different models")
+    module.load_state_dict(entry.tensors)
 
 
 def evaluate_chain(folder: str | Path, windows: torch.Tensor, draws: int, seed: int, device: torch.device,
@@ -411,9 +524,11 @@ def evaluate_reference(folder: str | Path, windows: torch.Tensor, device: torch.
     """Next-byte CE (nats/byte) of the reference in a checkpoint folder on the given windows."""
     _, model = load_reference(folder, device)
     nll, count = 0.0, 0
+    progress = Progress(log, f"scoring the reference in {folder}", windows.shape[0], "windows")
     for i in range(0, windows.shape[0], 64):
         w = windows[i : i + 64].to(device)
         logits = model(w[:, :-1]).float()
         nll += fn.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(), reduction="sum").item()
         count += w[:, 1:].numel()
+        progress.update(i + w.shape[0])
     return nll / count

@@ -249,7 +249,7 @@ def test_cli_generate_and_score_through_the_pipeline(servers, model_dir, tmp_pat
     head, (mid,), tail = pipeline(servers)
     ids = [n.status()["node"][:12] for n in (head, mid, tail)]
     gen = subprocess.run([sys.executable, "-m", "spheroid", "generate", "--peer", tail.addr, "--route", ",".join(ids),
-                          "--mode", "sweep", "--bytes", "20", "--seed", "2", "The "], capture_output=True,
+                          "--mode", "sweep", "--bytes", "20", "--seed", "2", "--raw", "The "], capture_output=True,
                          timeout=120)
     assert gen.returncode == 0, gen.stderr
     cfg, blocks, codebook = load_chain(model_dir, torch.device("cpu"))
@@ -258,7 +258,8 @@ def test_cli_generate_and_score_through_the_pipeline(servers, model_dir, tmp_pat
     text.write_bytes(bytes(range(32, 127)))
     score = subprocess.run([sys.executable, "-m", "spheroid", "score", "--peer", head.addr, str(text)],
                            capture_output=True, text=True, timeout=120)
-    assert score.returncode == 0 and "64 bytes in 2 windows, CE" in score.stdout, score.stderr
+    assert score.returncode == 0 and "95 bytes; 64 predicted in 2 windows of 32, CE" in score.stdout, score.stderr
+    assert "the last 30 bytes were not scored: they do not fill a window of 33 bytes" in score.stdout
     bad = subprocess.run([sys.executable, "-m", "spheroid", "generate", "--peer", head.addr, "--route", "zzzz", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "--route: 'zzzz' names 0 serving nodes" in bad.stderr
@@ -273,8 +274,8 @@ def test_a_relay_model_is_served_whole_on_one_node_and_refused_split(tmp_path, d
                         "--n-blocks", "2", "--d-model", "32", "--n-heads", "2", "--layers-per-block", "1",
                         "--context", "32", "--batch", "4", "--data", str(data_dir), "--out", str(folder)],
                        check=True, timeout=120)
-    proc = subprocess.run([sys.executable, "-m", "spheroid", "node", "--listen", f"127.0.0.1:{free_port()}", "--identity",
-                           str(tmp_path / "id.json"), "--serve", "1", "--checkpoint", str(folder)],
+    proc = subprocess.run([sys.executable, "-m", "spheroid", "node", "--listen", f"127.0.0.1:{free_port()}",
+                           "--identity", str(tmp_path / "id.json"), "--serve", "1", "--checkpoint", str(folder)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "serve all its blocks on one node (--serve 0-1)" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -17,11 +17,15 @@ from .. import checkpoint
 from ..averaging import SharedState, Version
 from ..config import NodeConfig, RunConfig, parse_addr
 from ..model import DiffusionBlock
+from ..wire import ProtocolError
 from .accounting import Traffic
 from .connection import Connection, PeerGone
 from .node import handshake, ssl_contexts
 
 log = logging.getLogger(__name__)
+
+# what a spheroid node's hello can be refused for; any other error before it means another protocol
+HANDSHAKE_REFUSALS = {"version", "swarm", "auth_required", "auth_failed", "self", "handshake"}
 
 
 async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None, handler=None) -> Connection:
@@ -37,6 +41,16 @@ async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None, handl
     me = {"node": os.urandom(16).hex(), "addr": "", "role": "client", "blocks": [], "boot": os.urandom(8)}
     try:
         await handshake(conn, me, cfg.swarm, secret)
+    except TimeoutError as exc:
+        await conn.close()
+        raise TimeoutError(f"{addr} sent no spheroid hello within {cfg.timeout:.0f}s: is it a spheroid node's "
+                           f"address?") from exc
+    except ProtocolError as exc:
+        await conn.close()
+        if exc.code in HANDSHAKE_REFUSALS:  # a spheroid node that will not talk to us says why
+            raise
+        raise ProtocolError(exc.code, f"{addr} does not speak the spheroid protocol ({exc}): is it a spheroid "
+                                      f"node's address?") from exc
     except BaseException:
         await conn.close()
         raise

@@ -360,6 +360,9 @@ class BlockServer(PipelineServer):
 
     def __init__(self, node: Node, folder: str | Path, first: int, last: int, hop_timeout: float = 10.0,
                  retries: int = 2, cache_mb: float = 256.0, session_ttl: float = 300.0) -> None:
+        n_blocks = checkpoint.load(folder, checkpoint.block_name(first)).config.model.n_blocks
+        if last >= n_blocks:
+            raise ValueError(f"--serve {first}-{last}: the model in {folder} has blocks 0-{n_blocks - 1}")
         entries = [checkpoint.load(folder, checkpoint.block_name(b)) for b in range(first, last + 1)]
         cfg = entries[0].config
         for entry in entries[1:]:
@@ -375,7 +378,8 @@ class BlockServer(PipelineServer):
         # which model this is (not which weights: holders of a block may be a round apart)
         model_id = hashlib.sha256(repr((self.kind, cfg.model, cfg.noise)).encode()).hexdigest()[:16]
         super().__init__(node, cfg, first, last, model_id, hop_timeout, retries, cache_mb, session_ttl)
-        self.blocks = {b: block_from(e, cfg, self.device, b) for b, e in zip(range(first, last + 1), entries, strict=True)}
+        self.blocks = {b: block_from(e, cfg, self.device, b)
+                       for b, e in zip(range(first, last + 1), entries, strict=True)}
         self.codebook = make_codebook(cfg.model).to(self.device)
         self.grid = sigma_grid(cfg.noise, cfg.model.n_blocks)
 
@@ -384,7 +388,7 @@ class BlockServer(PipelineServer):
         if msg["mode"] not in ("ar", "sweep"):
             raise ValueError(f"mode must be ar or sweep, got {msg['mode']!r}")
         self._check_generate(msg)
-        chunk = 1 if msg["mode"] == "ar" else msg["k"]
+        chunk = 1 if msg["mode"] == "ar" else (msg["k"] or min(msg["n_bytes"], context - 1))  # 0: as many as fit
         if not 1 <= chunk <= context - 1:
             raise ValueError(f"k must be in [1, {context - 1}]")
         session = os.urandom(8).hex()
@@ -470,6 +474,11 @@ class ReferenceServer(PipelineServer):
                  retries: int = 2, cache_mb: float = 256.0, session_ttl: float = 300.0) -> None:
         entry = checkpoint.load(folder, checkpoint.REFERENCE)
         cfg = entry.config
+        if last >= cfg.model.n_blocks:
+            raise ValueError(f"--serve {first}-{last}: the reference in {folder} has the depth of blocks "
+                             f"0-{cfg.model.n_blocks - 1}")
+        if cfg.model.reference_layout != "plain":
+            raise ValueError("the reference pipeline serves a plain reference (--reference-layout plain)")
         model_id = hashlib.sha256(repr((self.kind, cfg.model)).encode()).hexdigest()[:16]
         super().__init__(node, cfg, first, last, model_id, hop_timeout, retries, cache_mb, session_ttl)
         _, self.model = load_reference(folder, self.device)

@@ -29,7 +29,15 @@ from ..checkpoint import CheckpointError, atomic_write
 from ..config import RunConfig
 from ..data import random_windows
 from ..model import make_codebook
-from ..train import block_loss, genesis_block, learning_rate, make_optimizer, train_step
+from ..train import (
+    block_loss,
+    genesis_block,
+    learning_rate,
+    load_optimizer_tensors,
+    make_optimizer,
+    optimizer_tensors,
+    train_step,
+)
 from ..wire import ProtocolError, through_codec
 from .client import request_state
 from .connection import Connection, PeerGone
@@ -73,7 +81,7 @@ class BlockWorker:
         node_seed = int(node.id[:8], 16)
         self.gen = torch.Generator().manual_seed(cfg.train.seed ^ node_seed)
         torch.manual_seed(cfg.train.seed * 7919 + node_seed)
-        self.step, self.loss = 0, float("nan")
+        self.step, self.loss, self.ce = 0, float("nan"), float("nan")
         self.n_params = sum(p.numel() for p in self.module.parameters())
         state = self._resume() if self.path.exists() else self._genesis()
         self.fresh = state.version.round == 0 and self.step == 0
@@ -111,9 +119,7 @@ class BlockWorker:
         tensors = {"params": state.params.contiguous()}
         if state.momentum is not None:
             tensors["momentum"] = state.momentum.contiguous()
-        for i, entry in self.opt.state_dict()["state"].items():
-            for key, value in entry.items():
-                tensors[f"opt.{i}.{key}"] = torch.as_tensor(value).contiguous()
+        tensors.update(optimizer_tensors(self.opt))
         meta = {"version": json.dumps(state.version.to_wire()), "step": str(self.step), "block": str(self.block),
                 "loss": repr(self.loss), "config": self.cfg.to_json()}
         atomic_write(self.path, save_safetensors(tensors, metadata=meta))
@@ -139,13 +145,7 @@ class BlockWorker:
         except (KeyError, ValueError) as exc:
             raise CheckpointError(f"{self.path}: {exc}; the file is damaged") from exc
         self.set_params(state.params)
-        groups = self.opt.state_dict()["param_groups"]
-        opt_state: dict[int, dict] = {}
-        for key, value in tensors.items():
-            if key.startswith("opt."):
-                _, index, name = key.split(".", 2)
-                opt_state.setdefault(int(index), {})[name] = value
-        self.opt.load_state_dict({"state": opt_state, "param_groups": groups})
+        load_optimizer_tensors(self.opt, tensors)
         self.step, self.loss = step, loss
         log.info("block %d resumed from %s: round %d, step %d, loss %.4f, state %s", self.block, self.path,
                  version.round, step, loss, version.hash[:12])
@@ -198,10 +198,10 @@ class BlockWorker:
             for group in self.opt.param_groups:
                 group["lr"] = learning_rate(self.step, self.cfg)
             windows = random_windows(self.data, t.batch, self.cfg.model.context + 1, self.gen)
-            loss, _ = train_step(self.module, self.loss_fn, self.opt, windows, self.gen, t.grad_clip)
+            loss, ce = train_step(self.module, self.loss_fn, self.opt, windows, self.gen, t.grad_clip)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"block {self.block}: loss became {loss} at step {self.step}; lower --lr")
-            self.loss = loss
+            self.loss, self.ce = loss, ce
             self.step += 1
 
     async def _finish_round(self) -> None:
@@ -340,12 +340,14 @@ class BlockWorker:
 
     def status(self) -> dict:
         v = self.replica.state.version
-        return {"block": self.block, "step": self.step, "steps": self.cfg.train.steps, "loss": self.loss,
+        # loss: the w(sigma)-weighted DiffusionBlocks loss it minimises; ce: the plain CE of its last batch
+        return {"block": self.block, "step": self.step, "steps": self.cfg.train.steps, "loss": self.loss, "ce": self.ce,
                 "round": v.round, "version": v.to_wire(), "done": self.done, "served": self.served,
                 "counters": self.replica.counters.as_dict(), "averaging": dict(self.avg.__dict__),
                 "n_blocks": self.cfg.model.n_blocks, "params": self.n_params, "history": self.history}
 
     def status_line(self) -> str:
         v = self.replica.state.version
-        return (f"block {self.block} step {self.step}/{self.cfg.train.steps} loss {self.loss:.3f} | round {v.round} "
+        return (f"block {self.block} step {self.step}/{self.cfg.train.steps} ce {self.ce:.3f} (weighted loss "
+                f"{self.loss:.3f}) | round {v.round} "
                 f"state {v.hash[:8]}")
