@@ -103,7 +103,15 @@ def run_trainer(args: list[str], log_path: Path, threads: int) -> subprocess.Pop
     return proc
 
 
-def wait_for(procs: list[subprocess.Popen], logs: list[Path]) -> None:
+def wait_for(procs: list[subprocess.Popen], logs: list[Path], every: float = 60.0) -> None:
+    """Wait for the trainers, logging each one's latest progress line (step, loss, eta) every minute."""
+    while any(proc.poll() is None for proc in procs):
+        time.sleep(min(every, 5.0))
+        if time.monotonic() % every < 5.0:
+            for proc, log_path in zip(procs, logs, strict=True):
+                lines = [line for line in log_path.read_text(errors="replace").splitlines() if " step " in line]
+                if proc.poll() is None and lines:
+                    log.info("%s: %s", log_path.stem, lines[-1].split(": ", 1)[-1])
     for proc, log_path in zip(procs, logs, strict=True):
         code = proc.wait()
         proc.log.close()

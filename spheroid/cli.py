@@ -108,6 +108,7 @@ class Spheroid(click.Group):
     """The command group, with usage errors as one line (and exit status 2) instead of click's three."""
 
     def main(self, *args, **kwargs):
+        kwargs.pop("standalone_mode", None)
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
         except click.UsageError as exc:

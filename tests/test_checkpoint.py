@@ -5,7 +5,7 @@ import torch
 
 from spheroid import checkpoint
 from spheroid.checkpoint import CheckpointError
-from spheroid.config import RunConfig
+from spheroid.config import RunConfig, override
 from spheroid.model import DiffusionBlock
 from spheroid.train import load_chain
 
@@ -35,8 +35,22 @@ def test_truncated_weights_are_refused_with_a_clear_error(tmp_path, tiny):
     save_blocks(tmp_path, tiny)
     path = tmp_path / "block-1.safetensors"
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(CheckpointError, match="block-1.safetensors is damaged or truncated"):
+    with pytest.raises(CheckpointError, match="block-1.safetensors .* does not match the sha256 .* one of the two is"):
         load_chain(tmp_path, torch.device("cpu"))
+
+
+def test_an_edited_record_or_weights_of_another_model_are_named_in_one_line(tmp_path, tiny):
+    save_blocks(tmp_path, tiny)
+    record = json.loads((tmp_path / "block-0.json").read_text())
+    (tmp_path / "block-0.json").write_text(json.dumps({**record, "sha256": "0" * 64}))
+    with pytest.raises(CheckpointError, match=r"recorded in .*block-0.json: one of the two is damaged"):
+        checkpoint.load(tmp_path, "block-0")
+    wide = RunConfig(model=override(tiny.model, d_model=64), noise=tiny.noise, train=tiny.train)
+    checkpoint.save(tmp_path, "block-1", DiffusionBlock(wide.model, 0.5), tiny, {})  # weights of another width
+    mismatch = r"do not fit its configuration \(.* is \(\d+, 64\) where .*\d+ shapes differ"
+    with pytest.raises(CheckpointError, match=mismatch) as err:
+        load_chain(tmp_path, torch.device("cpu"))
+    assert "\n" not in str(err.value)
 
 
 def test_garbage_record_and_missing_files_are_refused(tmp_path, tiny):

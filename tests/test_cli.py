@@ -137,12 +137,20 @@ def test_debug_shows_the_traceback_of_an_error(tmp_path, data_dir):
 
 
 def test_version_help_and_verbosity_on_every_subcommand():
+    from click.testing import CliRunner
+
+    from spheroid.cli import main
+
     version = spheroid("--version")
     assert version.returncode == 0 and version.stdout.decode().startswith("spheroid, version ")
-    for sub in ("train", "eval", "generate", "score", "node", "swarm", "assemble", "status", "codebook"):
-        text = spheroid(sub, "--help").stdout.decode()
+    runner = CliRunner()
+    for sub in main.commands:
+        text = runner.invoke(main, [sub, "--help"]).output
         assert "--verbose" in text and "--log-file" in text and "--debug" in text, sub
-    node = spheroid("node", "--help").stdout.decode()
+    undocumented = [(name, p.opts) for name, cmd in main.commands.items() for p in cmd.params
+                    if p.param_type_name == "option" and not p.help]
+    assert not undocumented
+    node = runner.invoke(main, ["node", "--help"]).output
     assert "--reference " not in node and "`train` only" not in node
 
 
@@ -208,6 +216,15 @@ def test_a_server_that_is_not_a_spheroid_node_gets_a_clear_error(tmp_path):
 
     threading.Thread(target=answer_http, daemon=True).start()
     proc = spheroid("status", "--peer", f"127.0.0.1:{server.getsockname()[1]}", timeout=60)
-    server.close()
     err = proc.stderr.decode()
     assert proc.returncode == 1 and "does not speak the spheroid protocol" in err and "Traceback" not in err
+    # one that accepts and says nothing: an answer within the timeout, not a hang
+    proc = spheroid("status", "--peer", f"127.0.0.1:{server.getsockname()[1]}", "--timeout", "2", timeout=60)
+    server.close()
+    assert proc.returncode == 1 and "sent no spheroid hello within 2s" in proc.stderr.decode()
+
+
+def test_serving_blocks_the_model_does_not_have_says_which_it_has(block0, tmp_path):
+    proc = spheroid("node", "--listen", f"127.0.0.1:{free_port()}", "--identity", str(tmp_path / "id.json"),
+                    "--serve", "0-5", "--checkpoint", str(block0), timeout=60)
+    assert proc.returncode == 1 and "the model in" in proc.stderr.decode() and "has blocks 0-3" in proc.stderr.decode()

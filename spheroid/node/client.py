@@ -19,7 +19,7 @@ from ..config import NodeConfig, RunConfig, parse_addr
 from ..model import DiffusionBlock
 from ..wire import ProtocolError
 from .accounting import Traffic
-from .connection import Connection, PeerGone
+from .connection import Connection, PeerGone, PeerSilent
 from .node import handshake, ssl_contexts
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None, handl
     me = {"node": os.urandom(16).hex(), "addr": "", "role": "client", "blocks": [], "boot": os.urandom(8)}
     try:
         await handshake(conn, me, cfg.swarm, secret)
-    except TimeoutError as exc:
+    except (TimeoutError, PeerSilent) as exc:
         await conn.close()
         raise TimeoutError(f"{addr} sent no spheroid hello within {cfg.timeout:.0f}s: is it a spheroid node's "
                            f"address?") from exc

@@ -26,6 +26,10 @@ class PeerGone(Exception):
     """The peer closed the connection, stopped answering, or refused us."""
 
 
+class PeerSilent(PeerGone):
+    """The peer sent nothing within the timeout."""
+
+
 class Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, traffic: Traffic,
                  timeout: float = 10.0, recv_budget: int = 1 << 30) -> None:
@@ -106,7 +110,7 @@ class Connection:
             try:
                 data = await asyncio.wait_for(self.reader.read(1 << 18), timeout or self.timeout)
             except TimeoutError:
-                raise PeerGone(f"{self.label} sent nothing for {timeout or self.timeout}s") from None
+                raise PeerSilent(f"{self.label} sent nothing for {timeout or self.timeout}s") from None
             except OSError as exc:
                 raise PeerGone(f"reading from {self.label} failed: {exc!r}") from None
             if not data:
