@@ -45,6 +45,7 @@ def test_an_edited_record_or_weights_of_another_model_are_named_in_one_line(tmp_
     (tmp_path / "block-0.json").write_text(json.dumps({**record, "sha256": "0" * 64}))
     with pytest.raises(CheckpointError, match=r"recorded in .*block-0.json: one of the two is damaged"):
         checkpoint.load(tmp_path, "block-0")
+    (tmp_path / "block-0.json").write_text(json.dumps(record))
     wide = RunConfig(model=override(tiny.model, d_model=64), noise=tiny.noise, train=tiny.train)
     checkpoint.save(tmp_path, "block-1", DiffusionBlock(wide.model, 0.5), tiny, {})  # weights of another width
     mismatch = r"do not fit its configuration \(.* is \(\d+, 64\) where .*\d+ shapes differ"

@@ -8,7 +8,15 @@ from spheroid.chain import denoise, encode_context, generate, score, score_bound
 from spheroid.checkpoint import CheckpointError
 from spheroid.config import ModelConfig, RunConfig, override
 from spheroid.model import CleanStream, DiffusionBlock, KVCache, Reference, attention_mask, make_codebook
-from spheroid.train import block_loss, load_chain, make_optimizer, train_block, train_step, write_genesis_codebook
+from spheroid.train import (
+    block_loss,
+    clear_run,
+    load_chain,
+    make_optimizer,
+    train_block,
+    train_step,
+    write_genesis_codebook,
+)
 
 from .conftest import randomize
 
@@ -358,6 +366,7 @@ def test_a_block_records_the_versions_it_read_and_a_mismatch_is_refused(tiny, tm
     assert sorted(reads) == ["block-0", "block-1"]
     assert reads["block-1"]["sha256"] == checkpoint.load(tmp_path, "block-1").sha256
     load_chain(tmp_path, torch.device("cpu"))
+    clear_run(tmp_path, "block-0")  # as --fresh does
     train_block(RunConfig(model=tiny.model, noise=tiny.noise, train=override(tiny.train, seed=5)), 0, data, tmp_path,
                 torch.device("cpu"))  # block 0 replaced under the blocks that read it
     with pytest.raises(CheckpointError, match="block-1 .* was trained against block-0 .* retrain block-1"):
