@@ -718,9 +718,7 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
                         session_ttl=session_ttl)
         work = None
         if block is not None:
-            overrides["train__block_input"] = overrides.get("train__block_input") or "noised"
-            overrides["model__channel"] = overrides.get("model__channel") or "z"
-            run = load_config(config_file, **overrides)
+            run = node_run_config(config_file, overrides)
             averaging = AveragingConfig(every=every, codec=codec, lz4=lz4, wait=wait, outer=outer, outer_lr=outer_lr,
                                         outer_momentum=outer_momentum)
             worker = BlockWorker(member, run, averaging, block, load_bytes(data_dir, "train"),
@@ -752,7 +750,15 @@ def check_node_flags(flags: list[str]) -> None:
             params = ctx.params
     except click.ClickException as exc:
         raise click.UsageError(f"a node flag: {exc.format_message()}") from exc
-    load_config(params["config_file"], **{k: v for k, v in params.items() if "__" in k})
+    node_run_config(params["config_file"], {k: v for k, v in params.items() if "__" in k})
+
+
+def node_run_config(config_file: str | None, overrides: dict) -> RunConfig:
+    """What a training node trains: as `train`, but on noised inputs and with z only between blocks
+    unless the flags say otherwise (which the worker then refuses, saying why)."""
+    overrides = {**overrides, "train__block_input": overrides.get("train__block_input") or "noised",
+                 "model__channel": overrides.get("model__channel") or "z"}
+    return load_config(config_file, **overrides)
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
