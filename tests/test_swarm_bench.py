@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
+from spheroid.launch import free_port
 from spheroid.node.worker import pick_donor
 
 from .conftest import run_bench
@@ -30,18 +32,42 @@ def test_swarm_bench_ci_preset_writes_curves_for_both_configurations(tmp_path, d
 
 def test_spheroid_swarm_trains_assembles_and_stops_cleanly(tmp_path, data_dir):
     out = tmp_path / "demo"
+    base = consecutive_free_ports(3)
     proc = subprocess.run(
         [sys.executable, "-m", "spheroid", "swarm", "--out", str(out), "--replicas", "2,1", "--data", str(data_dir),
-         "--", "--steps", "30", "--every", "10", "--d-model", "32", "--n-heads", "2", "--layers-per-block", "1",
-         "--context", "32", "--batch", "8"],
+         "--base-port", str(base), "--", "--steps", "30", "--every", "10", "--d-model", "32", "--n-heads", "2",
+         "--layers-per-block", "1", "--context", "32", "--batch", "8"],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "all 3 nodes stopped cleanly" in proc.stdout and f"checkpoint: {out / 'model'}" in proc.stdout
-    assert "b0-b | block 0 step" in proc.stdout  # a status line per node
+    # where each node listens and logs, then a status line per node that names what it shows
+    assert f"b1-a | block 1 on 127.0.0.1:{base + 2} | log {out / 'nodes' / 'b1-a.log'}" in proc.stdout
+    assert "b0-b | block 0 step" in proc.stdout and "(weighted loss" in proc.stdout
+    assert proc.stdout.count("starting") <= 3
+    rounds = [json.loads(line) for line in (out / "nodes" / "b0-a" / "worker-0.history.jsonl").read_text().splitlines()]
+    assert rounds and rounds[-1]["step"] == 30 and {"loss", "ce", "round"} <= set(rounds[-1])
     metrics = json.loads((out / "metrics.json").read_text())
     hashes = {n["training"]["version"]["hash"] for name, n in metrics["nodes"].items() if name.startswith("b0")}
     assert len(hashes) == 1 and [a["block"] for a in metrics["assembled"]] == [0, 1]
     assert (out / "model" / "block-1.safetensors").exists()
+
+
+def consecutive_free_ports(n: int) -> int:
+    """The first of n consecutive TCP ports on 127.0.0.1 that are free now."""
+    for _ in range(50):
+        base = free_port()
+        if base + n <= 65535 and all(port_is_free(base + i) for i in range(n)):
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def test_joiners_spread_over_donors():
