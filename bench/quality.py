@@ -180,9 +180,9 @@ def evaluate_all(cfg: RunConfig, work: Path, steps: list[int], data: str | None,
                  windows: int, metrics: dict) -> tuple[list[dict], dict]:
     """Validation CE of every model at every snapshot, and the final models on the raw split too.
 
-    A chain trained in order is only the chain as trained at the last step (before it, a block's
-    snapshot read other versions of the blocks before it), so its curve has the last point only;
-    the chain trained all at once is a coherent model at every snapshot.
+    A chain is only the chain as trained at the last step: before it, a block's snapshot read other
+    versions of the blocks before it (trained in order: their final ones; all at once: whatever
+    step the faster trainers had reached), so the chains' curves have the last point only.
     """
     ctx = cfg.model.context
     splits = {v: fixed_windows(load_bytes(data, "valid", v), windows, ctx + 1) for v in ("tokens", "raw")}
@@ -199,7 +199,7 @@ def evaluate_all(cfg: RunConfig, work: Path, steps: list[int], data: str | None,
             prefix = "blocktrain" if chain == "ordered" else "concurrent"
             runs = [f"block_{b}" if chain == "ordered" else f"concurrent_block_{b}" for b in range(cfg.model.n_blocks)]
             row[f"{prefix}_flops"] = sum(metrics[r]["flops_per_step"] for r in runs) * step
-            if chain == "ordered" and not final:
+            if not final:
                 continue
             ce, alone = evaluate_chain(snapshot(work / CHAINS[chain], step, steps[-1]), splits["tokens"], DRAWS, 0,
                                        device)
@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--refresh-every", type=int, default=None,
                         help="blocks all at once, reading the earlier blocks' snapshots every R steps "
                              "(default: the preset's; 0 = only in order)")
+    parser.add_argument("--evaluate-only", action="store_true",
+                        help="evaluate the models an earlier run trained into --work, without training")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="GROUP.FIELD=VALUE",
                         help="change the preset's configuration, e.g. --set model.channel=z (repeatable)")
     args = parser.parse_args(argv)
@@ -287,8 +289,12 @@ def main(argv: list[str] | None = None) -> dict:
     log.info("preset %s: training 4 references and %d blocks (in order%s), %d steps each, %d at a time, on %s",
              args.preset, cfg.model.n_blocks, f", and all at once reading snapshots every {refresh} steps"
              if refresh else "", steps_total, jobs, device)
-    metrics = train_all(cfg, work, args.data, str(device), jobs, save_every, refresh)
-    train_s = time.monotonic() - started
+    if args.evaluate_only:  # the trainers' own metrics, from the run that trained them
+        metrics = {f.name.removesuffix(".metrics.json"): json.loads(f.read_text())
+                   for f in (work / "logs").glob("*.metrics.json")}
+    else:
+        metrics = train_all(cfg, work, args.data, str(device), jobs, save_every, refresh)
+    train_s = None if args.evaluate_only else time.monotonic() - started
     curve, raw = evaluate_all(cfg, work, steps, args.data, device, p["eval_windows"], metrics)
     result = summarise(cfg, args.preset, p, curve, raw, metrics, jobs, refresh, train_s)
     result.update(device=str(device), torch=torch.__version__, host=platform.node(),
@@ -302,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def summarise(cfg: RunConfig, preset: str, p: dict, curve: list[dict], raw: dict, metrics: dict, jobs: int,
-              refresh: int, train_s: float) -> dict:
+              refresh: int, train_s: float | None) -> dict:
     """The JSON of a run: the final figures, the best references, the bars' differences, costs."""
     final = curve[-1]
     n, steps = cfg.model.n_blocks, cfg.train.steps

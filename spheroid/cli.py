@@ -726,7 +726,7 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
             work = worker.run
         run_async(member.run(work))
     except OSError as exc:
-        raise Failure(f"cannot serve on {listen}: {exc}") from exc
+        raise Failure(f"the node on {listen} stopped: {exc}") from exc
     finally:
         ident.release()
 

@@ -219,12 +219,12 @@ class BlockWorker:
                 self.history.append({"round": closed.state.version.round - 1, "updates": len(closed.contributors),
                                      "waited_s": round(waited, 3)})
                 del self.history[:-HISTORY]
-                with self.path.with_suffix(".history.jsonl").open("a") as f:  # the loss history, kept whole
-                    f.write(json.dumps({**self.history[-1], "step": self.step, "loss": self.loss, "ce": self.ce,
-                                        "time": time.time()}) + "\n")
                 self.synced = True
                 self.set_params(closed.state.params)
                 self.save()
+                with self.path.with_suffix(".history.jsonl").open("a") as f:  # the loss history, kept whole
+                    f.write(json.dumps({**self.history[-1], "step": self.step, "loss": self.loss, "ce": self.ce,
+                                        "time": time.time()}) + "\n")
                 log.info("block %d round %d closed with %d update(s); state %s", self.block, closed.state.version.round,
                          len(closed.contributors), closed.state.version.hash[:12])
                 await self._announce()
