@@ -388,10 +388,13 @@ def print_table(r: dict) -> None:
     for chain, c in r["chains"].items():
         what = "in order" if chain == "ordered" else f"all at once (R = {r['refresh_every']})"
         wall = " + ".join(f"{w:.0f}" for w in c["wall_s"])
-        for label, ce, ce_raw in ((f"chain {what}, M = 1", c["ce"], c["raw"]["ce"]),
-                                  (f"chain {what}, M = {r['draws_m8']}", c["ce_m8"], c["raw"]["ce_m8"]),
-                                  ("  its block 0 alone", c["block0_alone_ce"], c["raw"]["block0_alone_ce"])):
-            print(f"{label:<40} {ce:>15.4f} {ce_raw:>13.4f} {c['params']:>9d} {wall:>9} {c['train_flops']:>12.3e}")
+        rows = ((f"chain {what}, M = 1", c["ce"], c["raw"]["ce"], c["params"], wall, c["train_flops"]),
+                (f"chain {what}, M = {r['draws_m8']}", c["ce_m8"], c["raw"]["ce_m8"], c["params"], wall,
+                 c["train_flops"]),
+                ("  its block 0 alone", c["block0_alone_ce"], c["raw"]["block0_alone_ce"], c["params_per_block"],
+                 f"{c['wall_s'][0]:.0f}", c["train_flops_per_block"][0]))
+        for label, ce, ce_raw, params, seconds, flops in rows:
+            print(f"{label:<40} {ce:>15.4f} {ce_raw:>13.4f} {params:>9d} {seconds:>9} {flops:>12.3e}")
     print(f"\ndepth pays (best one-block-deep minus best full-depth reference): {r['depth_pays']:+.4f}")
     print(f"the blocks compose (block 0 alone minus chain, M = 1): {r['composition']:+.4f}")
     print(f"chain (M = 1) minus the best full-depth reference ({r['best_reference']}): {r['gap']:+.4f}")
