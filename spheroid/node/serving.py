@@ -24,6 +24,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -88,28 +89,34 @@ class SessionCache:
     def __init__(self, max_bytes: int, ttl: float) -> None:
         self.max_bytes, self.ttl = max_bytes, ttl
         self._sessions: dict[str, Session] = {}
+        # hops of different sessions run in worker threads at once, and the status reads it too
+        self._lock = threading.RLock()
 
     def get(self, session: str, make: Callable[[], list]) -> Session:
         """The session's state; a new one holds the caches `make` returns."""
-        now = time.monotonic()
-        for key in [k for k, s in self._sessions.items() if now - s.used > self.ttl]:
-            del self._sessions[key]
-        found = self._sessions.pop(session, None) or Session(make)
-        found.used = now
-        self._sessions[session] = found  # most recently used last
-        while self.nbytes > self.max_bytes and len(self._sessions) > 1:
-            del self._sessions[next(iter(self._sessions))]
-        return found
+        with self._lock:
+            now = time.monotonic()
+            for key in [k for k, s in self._sessions.items() if now - s.used > self.ttl]:
+                del self._sessions[key]
+            found = self._sessions.pop(session, None) or Session(make)
+            found.used = now
+            self._sessions[session] = found  # most recently used last
+            while self.nbytes > self.max_bytes and len(self._sessions) > 1:
+                del self._sessions[next(iter(self._sessions))]
+            return found
 
     def drop(self, session: str) -> None:
-        self._sessions.pop(session, None)
+        with self._lock:
+            self._sessions.pop(session, None)
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self._sessions.values())
+        with self._lock:
+            return sum(s.nbytes for s in self._sessions.values())
 
     def __len__(self) -> int:
-        return len(self._sessions)
+        with self._lock:
+            return len(self._sessions)
 
 
 class PipelineServer(ABC):
