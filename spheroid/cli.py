@@ -477,7 +477,7 @@ class ByteWriter:
 
     def __init__(self, raw: bool) -> None:
         self.raw = raw
-        self.stream = click.get_binary_stream("stdout")
+        self.stream = sys.stdout.buffer
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
 
     def write(self, data: bytes, final: bool = False) -> None:

@@ -120,10 +120,14 @@ if not torch.cuda.is_available():
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_values_are_refused_up_front_in_one_line_with_status_2(case, tmp_path):
+    from click.testing import CliRunner
+
+    from spheroid.cli import main
+
     args = [str(tmp_path) if a == "." else a for a in BAD[case]]
-    proc = spheroid(*args, timeout=60)
-    err = proc.stderr.decode()
-    assert proc.returncode == 2, err
+    result = CliRunner().invoke(main, args)  # in this process: the same command, without a new interpreter
+    err = result.stderr
+    assert result.exit_code == 2, err + result.stdout
     assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("Error: "), err
 
 
