@@ -64,7 +64,8 @@ def train(folder: Path, flags: list[str], data: str | None) -> None:
     """The four blocks (in order: chain-state training reads the earlier ones) and the reference.
 
     The blocks read only z from each other (--channel z): hops do not relay clean streams yet."""
-    base = [sys.executable, "-m", "spheroid", "-q", "train", *flags, "--channel", "z", "--out", str(folder)]
+    base = [sys.executable, "-m", "spheroid", "train", *flags, "--channel", "z", "--log-every", "100",
+            "--out", str(folder)]
     if data:
         base += ["--data", data]
     for job in [["--block", str(b)] for b in range(4)] + [["--reference"]]:
