@@ -286,6 +286,9 @@ def run_config_options(func):
                      help="What a block reads of the blocks before it besides z: relay (its clean stream starts "
                           "from the previous block's, so the stack computes its full depth on the context) or z "
                           "only (method.md).  [default: relay for train, z for node]"),
+        click.option("--relay-loss", "model__relay_loss", type=float,
+                     help="With --channel relay, the weight of a next-byte loss on each relayed clean stream, "
+                          f"so that what a block hands on is trained. {default(m, 'relay_loss')}"),
         click.option("--reference-layout", "model__reference_layout", type=click.Choice(["plain", "two_stream"]),
                      help="The end-to-end reference's layout (train --reference): a plain causal transformer, or "
                           "the blocks' two streams (a clean stream, and a query token per position reading it).  "

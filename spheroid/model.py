@@ -298,6 +298,9 @@ class DiffusionBlock(nn.Module):
         self.net = BlockNet(cfg)
         self.head_norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab)
+        # the relay loss's head: reads next-byte logits off the clean stream this block hands on
+        self.relay_head = (nn.Sequential(nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab))
+                           if cfg.relay_loss and index < cfg.n_blocks - 1 else None)
         init_weights(self)
         for layer in self.net.layers:  # AdaLN-Zero: every layer starts as the identity
             nn.init.zeros_(layer.ada.weight)
@@ -343,6 +346,12 @@ class DiffusionBlock(nn.Module):
             raise ValueError(f"block {self.index} starts from block {self.index - 1}'s clean stream (channel "
                              "'relay'): run it in the chain, after the blocks before it")
         return previous.out
+
+
+    def relay_logits(self, stream: CleanStream) -> torch.Tensor | None:
+        """Next-byte logits (B, L, V) off the clean stream this block hands on (the relay loss), or
+        None where nothing is relayed or trained (the last block, or relay_loss 0)."""
+        return None if self.relay_head is None else self.relay_head(stream.out)
 
 
 class Reference(nn.Module):

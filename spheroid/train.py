@@ -29,7 +29,7 @@ from . import checkpoint
 from .chain import BoundScore, ChainScore, Streams, chain_state, encode_context, score, score_block_alone, score_bound
 from .config import NoiseConfig, RunConfig
 from .data import random_windows
-from .model import DiffusionBlock, Reference, make_codebook, parameter_count
+from .model import CleanStream, DiffusionBlock, Reference, make_codebook, parameter_count
 from .noise import loss_weight, sample_sigma, sigma_grid, training_band
 from .progress import Progress, duration
 
@@ -81,11 +81,13 @@ def block_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook: torc
         sigma = sample_sigma(cfg.noise, lo, hi, x.shape[0], gen).to(x.device)  # one level per sequence
         eps = torch.randn(*y.shape, codebook.shape[1], device=x.device)  # global RNG, seeded per run
         z = codebook[y] + sigma[:, None, None] * eps  # (B, T, d)
+        own = CleanStream(len(block.net.layers))
         with autocast(x.device):
             streams = encode_context(earlier, x) if block.reads_relay else {}
-            logits = block(x, z, sigma, previous=streams.get(index - 1))
+            logits = block(x, z, sigma, stream=own, previous=streams.get(index - 1))
+            relay = relay_ce(block, own, y)
         ce = fn.cross_entropy(logits.float().transpose(1, 2), y, reduction="none").mean(dim=1)  # (B,)
-        return (loss_weight(sigma, cfg.noise.sigma_data) * ce).mean(), ce.mean().item()
+        return (loss_weight(sigma, cfg.noise.sigma_data) * ce).mean() + cfg.model.relay_loss * relay, ce.mean().item()
 
     return loss
 
@@ -113,11 +115,22 @@ def chain_state_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook
             if block.reads_relay:  # the frozen blocks' streams, also where the chain has not run them
                 encode_context(earlier, x, streams)
             sigma = torch.full((x.shape[0],), grid[level], device=x.device)
-            logits = block(x, z.float(), sigma, previous=streams.get(index - 1))  # its own stream, with gradient
+            own = CleanStream(len(block.net.layers))  # its own stream, with gradient
+            logits = block(x, z.float(), sigma, stream=own, previous=streams.get(index - 1))
+            relay = relay_ce(block, own, y)
         ce = fn.cross_entropy(logits.float().transpose(1, 2), y)
-        return ce, ce.item()
+        return ce + cfg.model.relay_loss * relay, ce.item()
 
     return loss
+
+
+def relay_ce(block: DiffusionBlock, stream: CleanStream, y: torch.Tensor) -> torch.Tensor:
+    """The relay loss's next-byte CE on the clean stream a block hands on (0 where it hands on nothing
+    trained): greedy, layer-wise training of the stack's clean streams, no gradient across blocks."""
+    logits = block.relay_logits(stream)
+    if logits is None:
+        return torch.zeros((), device=y.device)
+    return fn.cross_entropy(logits.float().transpose(1, 2), y)
 
 
 def reference_loss(model: Reference) -> LossFn:
