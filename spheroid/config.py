@@ -194,9 +194,13 @@ class NodeConfig:
     dead_after: float = 8.0  # a connection silent this long is dropped (pings keep live ones talking)
     forget_after: float = 30.0  # a peer neither connected nor advertised this long is forgotten
     status_interval: float = 5.0
-    timeout: float = 10.0  # every wait for a peer: connect, handshake, drain, reply
-    max_peers: int = 64
-    recv_budget: int = 1 << 30  # bytes of incoming tensor streams held per connection
+    timeout: float = 10.0  # every wait for a peer: connect, drain, reply
+    handshake_timeout: float = 10.0  # a connection must finish its handshake within this
+    max_unauthenticated: int = 64  # connections in their handshake at once, in all
+    max_unauthenticated_per_host: int = 8  # ... and from one source address
+    max_peers: int = 64  # connections it dials
+    max_known: int = 10_000  # entries of the known-peers table (random eviction when full)
+    recv_budget: int = 384 << 20  # bytes of incoming tensor streams the node holds, all connections together
 
     def __post_init__(self) -> None:
         for addr in (self.listen, *self.peers, *([self.announce] if self.announce else [])):

@@ -100,7 +100,7 @@ def raw_exchange(addr: str, frames: list[bytes], timeout: float = 10.0) -> list[
                 break
             if not data:
                 break
-            got += [m for m, _ in decoder.feed(data)]
+            got += [r.message for r in decoder.feed(data)]
             if got and got[-1]["t"] == "error":
                 break
         return got

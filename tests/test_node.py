@@ -15,8 +15,9 @@ from spheroid.config import NodeConfig
 from spheroid.node.accounting import Traffic
 from spheroid.node.connection import Connection, PeerGone
 from spheroid.node.identity import load_or_create
-from spheroid.node.node import Node, handshake
+from spheroid.node.node import Node
 from spheroid.wire import ProtocolError, encode
+from spheroid.wire.session import Session
 
 from .nodes import NodeProcess, free_port, handshake_then, hello, raw_exchange, wait_until
 from .test_wire import MALFORMED
@@ -34,7 +35,7 @@ def node(tmp_path):
 
 def test_status_reports_identity_and_counters(node):
     first = node.status()
-    assert len(first["node"]) == 32 and first["swarm"] == "spheroid" and first["version"] == 1
+    assert len(first["node"]) == 32 and first["swarm"] == "spheroid" and first["version"] == 2
     assert first["peers"] == [] and first["authenticated"] is False
     second = node.status()
     received = second["traffic_by_type"]["received"]
@@ -81,7 +82,8 @@ def test_wrong_secret_is_rejected_before_any_other_message(tmp_path):
         # a raw client with the wrong MAC, then a status request in the same breath
         got = raw_exchange(n.addr, [encode(hello(auth=True)), encode({"t": "auth", "id": 2, "mac": b"\0" * 32}),
                                     encode({"t": "status", "id": 3})])
-        assert [m["t"] for m in got] == ["hello", "auth", "error"] and got[-1]["code"] == "auth_failed"
+        # version 2: the node proves nothing to a peer that has not proven first
+        assert [m["t"] for m in got] == ["hello", "error"] and got[-1]["code"] == "auth_failed"
         with pytest.raises((PeerGone, ProtocolError), match="auth"):  # either side may notice first
             n.status(secret=b"incorrect pony")
         with pytest.raises((PeerGone, ProtocolError), match="secret"):
@@ -235,9 +237,9 @@ def test_gossip_survives_a_peer_that_advertises_garbage(tmp_path):
         node = Node(cfg, load_or_create(cfg.identity))
         await node.start()
         reader, writer = await asyncio.open_connection("127.0.0.1", int(cfg.listen.split(":")[1]))
-        liar = Connection(reader, writer, Traffic())
         me = {"node": "ab" * 16, "addr": "127.0.0.1:1", "role": "worker", "blocks": [], "boot": b"12345678"}
-        await handshake(liar, me, cfg.swarm, None)
+        liar = Connection(reader, writer, Traffic(), Session(me, dialler=True, swarm=cfg.swarm, secret=None))
+        await liar.open()
         junk = [{"node": "cd" * 16, "addr": "not an address", "role": "worker", "blocks": []},
                 {"node": "zz", "addr": "127.0.0.1:2", "role": "worker", "blocks": []}]
 

@@ -47,7 +47,7 @@ def test_golden_vectors_both_ways(path):
     vector = json.loads(path.read_text())
     frame = bytes.fromhex(vector["frame"])
     assert encode(from_json(vector["message"])) == frame
-    [(message, size)] = Decoder().feed(frame)
+    [(message, size, _)] = Decoder().feed(frame)
     assert size == len(frame)
     assert to_plain(message) == to_plain(vector["message"])
 
@@ -71,7 +71,7 @@ def test_decoder_takes_any_split_of_the_byte_stream():
     decoder, got, pos = Decoder(), [], 0
     while pos < len(frames):
         step = rng.randint(1, 9)
-        got += [m["id"] for m, _ in decoder.feed(frames[pos : pos + step])]
+        got += [r.message["id"] for r in decoder.feed(frames[pos : pos + step])]
         pos += step
     assert got == list(range(50)) and decoder.buffered == 0
 
@@ -117,7 +117,7 @@ def test_large_tensor_streams_in_bounded_chunks(codec):
     assert len(frames) == 1 + 12  # 12 MB of float32 in 1 MiB chunks
     decoder, streams = Decoder(), StreamAssembler(budget=t.numel() * 4)
     for out in frames:
-        for msg, _ in decoder.feed(out.frame):
+        for msg, *_ in decoder.feed(out.frame):
             (streams.begin if msg["t"] == "stream_begin" else streams.chunk)(msg)
     back = streams.take(5)
     assert back.shape == t.shape and streams.held == 0
@@ -183,7 +183,7 @@ def test_every_malformed_input_class_is_a_protocol_error(name):
 def test_messages_before_a_bad_frame_come_out_first_then_the_error():
     decoder = Decoder()
     data = encode({"t": "status", "id": 1}) + encode({"t": "peers", "id": 2}) + encode({"t": "nonsense", "id": 3})
-    assert [m["t"] for m, _ in decoder.feed(data)] == ["status", "peers"]
+    assert [r.message["t"] for r in decoder.feed(data)] == ["status", "peers"]
     assert decoder.error is not None and decoder.error.code == "unknown_type"
     with pytest.raises(ProtocolError, match="unknown message type"):
         decoder.feed(b"")

@@ -20,7 +20,7 @@ from ..model import DiffusionBlock
 from ..wire import ProtocolError
 from .accounting import Traffic
 from .connection import Connection, PeerGone, PeerSilent
-from .node import handshake, ssl_contexts
+from .node import open_session, ssl_contexts
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +37,10 @@ async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None, handl
     host, port = parse_addr(addr)
     _, client_ssl = ssl_contexts(cfg)
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=client_ssl), cfg.timeout)
-    conn = Connection(reader, writer, Traffic(), cfg.timeout)
     me = {"node": os.urandom(16).hex(), "addr": "", "role": "client", "blocks": [], "boot": os.urandom(8)}
+    conn = Connection(reader, writer, Traffic(), open_session(me, cfg, secret, True, cfg.recv_budget), cfg.timeout)
     try:
-        await handshake(conn, me, cfg.swarm, secret)
+        await asyncio.wait_for(conn.open(), cfg.handshake_timeout)
     except (TimeoutError, PeerSilent) as exc:
         await conn.close()
         raise TimeoutError(f"{addr} sent no spheroid hello within {cfg.timeout:.0f}s: is it a spheroid node's "
@@ -55,10 +55,15 @@ async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None, handl
         await conn.close()
         raise
 
-    async def ignore(_conn: Connection, _msg: dict) -> None:
-        return None
+    async def answer(conn: Connection, msg: dict) -> None:
+        """Pings are answered (the keepalive rule: a node drops a client that stays silent); other
+        messages that answer no request go to `handler`."""
+        if msg["t"] == "ping":
+            await conn.send({"t": "pong", "re": msg["id"], "ts": msg["ts"]})
+        elif handler is not None:
+            await handler(conn, msg)
 
-    conn.reader_task = asyncio.get_running_loop().create_task(conn.serve(handler or ignore, idle_timeout=3600))
+    conn.reader_task = asyncio.get_running_loop().create_task(conn.serve(answer, idle_timeout=3600))
     return conn
 
 

@@ -1,20 +1,23 @@
-"""One TCP connection speaking the protocol: the thin asyncio layer around the sans-I/O codec.
+"""One TCP connection speaking the protocol: the thin asyncio layer around the sans-I/O session.
 
-It owns the socket, a Decoder and a StreamAssembler, counts every frame, writes with backpressure
-(`drain` under a timeout), times out every wait for the peer, and matches replies ("re") to the
-requests waiting for them. Heavy tensor encoding runs in a worker thread.
+It moves bytes between the socket and a `wire.Session` (which runs the handshake, checks messages
+and reassembles streams), counts every frame, writes with backpressure (`drain` under a timeout),
+times out every wait for the peer, and matches replies ("re") to the requests waiting for them.
+Heavy tensor encoding runs in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import Awaitable, Callable
 
 import torch
 
-from ..wire import Decoder, ProtocolError, StreamAssembler, encode, stream_frames
+from ..wire import ProtocolError, stream_frames
+from ..wire.session import Frame, Message, Opened, Refused, Session
 from .accounting import Traffic
 
 log = logging.getLogger(__name__)
@@ -32,33 +35,56 @@ class PeerSilent(PeerGone):
 
 class Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, traffic: Traffic,
-                 timeout: float = 10.0, recv_budget: int = 1 << 30) -> None:
+                 session: Session, timeout: float = 10.0) -> None:
         self.reader, self.writer = reader, writer
         self.traffic = traffic
         self.timeout = timeout
-        self.decoder = Decoder()
-        self.streams = StreamAssembler(recv_budget)
+        self.session = session
+        self.streams = session.streams
         self.label = "?"  # the peer's node id once the handshake is done
-        self.remote = "{}:{}".format(*writer.get_extra_info("peername")[:2])
+        peer = writer.get_extra_info("peername") or ("?", 0)
+        self.host = str(peer[0])
+        self.remote = f"{peer[0]}:{peer[1]}"
         self.hello: dict = {}
-        self.outbound = False  # True when this side dialled
+        self.outbound = session.dialler  # True when this side dialled
         self.reader_task: asyncio.Task | None = None  # set when something else runs serve() for us
-        self._ids = itertools.count(1)
         self._streams = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._inbox: list[dict] = []
         self._send_lock = asyncio.Lock()
         self.closed = False
 
+    async def open(self) -> dict:
+        """Run the handshake; the peer's hello. ProtocolError if the peer breaks a rule (answer it with
+        `refuse`), PeerGone if it refused us, went away or went silent."""
+        await self._flush("hello")
+        while not self.hello:
+            for event in await self._events(self.timeout):
+                if isinstance(event, Refused):
+                    raise PeerGone(f"{self.remote} refused us: {event.code}: {event.text}")
+                if isinstance(event, Opened):
+                    self.hello, self.label = event.hello, event.hello["node"]
+                self._count(event)
+                if isinstance(event, Message):  # sent right behind the handshake
+                    self._inbox.append(event.message)
+            await self._flush("auth")
+        return self.hello
+
     def next_id(self) -> int:
-        return next(self._ids)
+        return self.session.next_id()
 
     # --- sending ----------------------------------------------------------------------------------
 
     async def send(self, message: dict) -> None:
         """Send one message (an id is assigned if it has none)."""
-        message.setdefault("id", self.next_id())
-        await self._write(encode(message), message["t"])
+        if self.closed:
+            raise PeerGone(f"connection to {self.label} is closed")
+        await self._write(self.session.send(message), message["t"])
+
+    async def _flush(self, kind: str) -> None:
+        """Write what the session itself queued (its hello, its proof)."""
+        if frame := self.session.data_to_send():
+            await self._write(frame, kind)
 
     async def _write(self, frame: bytes, kind: str, raw: int | None = None) -> None:
         if self.closed:
@@ -105,23 +131,34 @@ class Connection:
     async def recv(self, timeout: float | None = None) -> dict:
         """The next message from the peer; PeerGone on close or timeout, ProtocolError on bad input."""
         while not self._inbox:
-            if self.decoder.error is not None:  # what came before the bad frame has been handled
-                raise self.decoder.error
-            try:
-                data = await asyncio.wait_for(self.reader.read(1 << 18), timeout or self.timeout)
-            except TimeoutError:
-                raise PeerSilent(f"{self.label} sent nothing for {timeout or self.timeout}s") from None
-            except OSError as exc:
-                raise PeerGone(f"reading from {self.label} failed: {exc!r}") from None
-            if not data:
-                raise PeerGone(f"{self.label} closed the connection")
-            for message, size in self.decoder.feed(data):
-                raw = None
-                if message["t"] == "stream_chunk":
-                    raw = message["data"].numel() * message["data"].element_size()
-                self.traffic.count("received", self.label, message["t"], size, raw)
-                self._inbox.append(message)
+            for event in await self._events(timeout or self.timeout):
+                self._count(event)
+                if isinstance(event, Message):
+                    self._inbox.append(event.message)
         return self._inbox.pop(0)
+
+    async def _events(self, timeout: float) -> list:
+        """The session's events from the next bytes the peer sends."""
+        if self.session.error is not None:  # what came before the bad frame has been handled
+            raise self.session.error
+        return self.session.receive_data(await self._read(timeout))
+
+    async def _read(self, timeout: float) -> bytes:
+        try:
+            data = await asyncio.wait_for(self.reader.read(1 << 18), timeout)
+        except TimeoutError:
+            raise PeerSilent(f"{self.label} sent nothing for {timeout}s") from None
+        except OSError as exc:
+            raise PeerGone(f"reading from {self.label} failed: {exc!r}") from None
+        if not data:
+            raise PeerGone(f"{self.label} closed the connection")
+        return data
+
+    def _count(self, event: Opened | Message | Frame) -> None:
+        if isinstance(event, Message):
+            self.traffic.count("received", self.label, event.message["t"], event.size)
+        elif isinstance(event, Frame):
+            self.traffic.count("received", self.label, event.kind, event.size, event.raw)
 
     async def serve(self, handler: Handler, idle_timeout: float) -> None:
         """Read until the peer goes: replies resolve waiting requests, everything else goes to handler.
@@ -135,10 +172,6 @@ class Connection:
                 reply_to = message.get("re")
                 if reply_to is not None and reply_to in self._pending:
                     self._pending.pop(reply_to).set_result(message)
-                elif message["t"] == "stream_begin":
-                    self.streams.begin(message)
-                elif message["t"] == "stream_chunk":
-                    self.streams.chunk(message)
                 else:
                     await handler(self, message)
         except ProtocolError as exc:
@@ -152,10 +185,9 @@ class Connection:
 
     async def refuse(self, exc: ProtocolError) -> None:
         """Tell the peer what it did wrong (best effort), then close."""
-        try:
-            await self.send({"t": "error", "code": exc.code, "message": exc.message})
-        except (PeerGone, ValueError):
-            pass
+        if not self.closed:
+            with contextlib.suppress(PeerGone):
+                await self._write(self.session.refuse(exc), "error")
         await self.close()
 
     async def close(self) -> None:

@@ -1,23 +1,25 @@
 """The node: one asyncio process with a TCP server, an authenticated handshake and gossip membership.
 
-Every connection, inbound or outbound, starts with the handshake (`hello` both ways, then `auth`
-both ways when the swarm has a secret); nothing else is accepted before it completes. After that
-the node answers pings, peer lists and status requests, and runs four loops: ping (RTT and
-liveness), gossip (swap peer lists, dial peers it learns of), seeds (re-dial the seed list so a
-split swarm heals) and a status line. A connection that stays silent past `dead_after` is dropped;
-a peer that is neither connected nor advertised for `forget_after` is forgotten.
+Every connection, inbound or outbound, starts with the handshake that its `wire.Session` runs
+(`hello` both ways, then proofs when the swarm has a secret); nothing else is accepted before it
+completes, and it must complete within `handshake_timeout`. Connections still in their handshake
+are capped in all and per source address. After that the node answers pings, peer lists and status
+requests, and runs four loops: ping (RTT and liveness, clients included), gossip (swap samples of
+peer lists, dial a few peers it learns of), seeds (re-dial the seed list so a split swarm heals)
+and a status line. A connection that stays silent past `dead_after` is dropped; a peer that is
+neither connected nor advertised for `forget_after` is forgotten; the known-peers table is bounded.
+Incoming tensor streams of all connections share one memory budget.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-import hashlib
-import hmac
 import json
 import logging
 import os
-import re
+import random
 import signal
 import ssl
 import time
@@ -27,8 +29,10 @@ from pathlib import Path
 
 from ..checkpoint import atomic_write
 from ..config import NodeConfig, parse_addr
-from ..wire import VERSION, ProtocolError
-from ..wire.messages import validate_peer
+from ..wire import VERSION, ProtocolError, encode
+from ..wire.messages import MAX_PEER_ENTRIES, validate_peer
+from ..wire.session import Session, is_node_id
+from ..wire.streams import Budget
 from .accounting import Traffic
 from .connection import Connection, PeerGone
 from .identity import Identity
@@ -36,6 +40,7 @@ from .identity import Identity
 log = logging.getLogger(__name__)
 
 CLIENTS = "clients"  # the one accounting label of all client connections (status, assemble, ...)
+DIALS_PER_ROUND = 8  # new peers dialled per gossip round: fake entries cannot queue up real ones for long
 
 
 @dataclass
@@ -52,49 +57,29 @@ class PeerInfo:
         return {"node": self.node, "addr": self.addr, "role": self.role, "blocks": self.blocks, "serves": self.serves}
 
 
-def auth_mac(secret: bytes, swarm: str, their_nonce: bytes, my_nonce: bytes, my_node: str) -> bytes:
-    """What a node sends to prove it holds the secret: an HMAC over the peer's fresh nonce."""
-    return hmac.new(secret, b"spheroid-auth-v1|" + swarm.encode() + b"|" + their_nonce + my_nonce
-                    + my_node.encode(), hashlib.sha256).digest()
+class QuietLog:
+    """Log lines that can repeat without bound (one per fake peer, per refused connection) at most
+    `burst` times per kind and `period`, then one line saying how many were left out."""
+
+    def __init__(self, logger: logging.Logger, burst: int = 5, period: float = 10.0) -> None:
+        self.logger, self.burst, self.period = logger, burst, period
+        self._window: dict[str, tuple[float, int]] = {}  # kind -> (window start, lines in it)
+
+    def log(self, level: int, kind: str, text: str, *args: object) -> None:
+        now = time.monotonic()
+        start, count = self._window.get(kind, (now, 0))
+        if now - start >= self.period:
+            if count > self.burst:
+                self.logger.log(level, "(%d more %s lines in %.0fs left out)", count - self.burst, kind, now - start)
+            start, count = now, 0
+        self._window[kind] = (start, count + 1)
+        if count < self.burst:
+            self.logger.log(level, text, *args)
 
 
-async def handshake(conn: Connection, me: dict, swarm: str, secret: bytes | None) -> dict:
-    """Both sides send hello; with a secret both then prove it. Returns the peer's hello.
-
-    `me` holds this side's node, addr, role, blocks and boot fields. Nothing but hello, auth and
-    error is accepted before this returns; any mismatch is a ProtocolError to answer and close on.
-    """
-    nonce = os.urandom(16)
-    await conn.send({"t": "hello", "version": VERSION, "swarm": swarm, **me, "nonce": nonce,
-                     "auth": secret is not None})
-    hello = await conn.recv()
-    if hello["t"] == "error":
-        raise PeerGone(f"{conn.remote} refused us: {hello['code']}: {hello['message']}")
-    if hello["t"] != "hello":
-        raise ProtocolError("handshake", f"expected hello, got {hello['t']}")
-    if hello["version"] != VERSION:
-        raise ProtocolError("version", f"protocol version {hello['version']} is not {VERSION}; upgrade one side")
-    if hello["swarm"] != swarm:
-        raise ProtocolError("swarm", f"swarm {hello['swarm']!r} is not {swarm!r}")
-    if hello["auth"] != (secret is not None):
-        raise ProtocolError("auth_required", "one side has a swarm secret and the other has none")
-    if not re.fullmatch(r"[0-9a-f]{32}", hello["node"]):
-        raise ProtocolError("handshake", "node id must be 32 lowercase hex digits")
-    if hello["node"] == me["node"]:
-        raise ProtocolError("self", "connected to itself")
-    if len(hello["nonce"]) < 16:
-        raise ProtocolError("handshake", "nonce must be at least 16 bytes")
-    conn.label = hello["node"]
-    if secret is not None:
-        await conn.send({"t": "auth", "mac": auth_mac(secret, swarm, hello["nonce"], nonce, me["node"])})
-        proof = await conn.recv()
-        if proof["t"] == "error":
-            raise PeerGone(f"{conn.remote} refused us: {proof['code']}: {proof['message']}")
-        expected = auth_mac(secret, swarm, nonce, hello["nonce"], hello["node"])
-        if proof["t"] != "auth" or not hmac.compare_digest(proof["mac"], expected):
-            raise ProtocolError("auth_failed", "authentication failed: wrong swarm secret")
-    conn.hello = hello
-    return hello
+def open_session(me: dict, cfg: NodeConfig, secret: bytes | None, dialler: bool, budget: Budget | int) -> Session:
+    """The session of one connection, as this node (or client) speaks it."""
+    return Session(me, dialler=dialler, swarm=cfg.swarm, secret=secret, budget=budget)
 
 
 def ssl_contexts(cfg: NodeConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
@@ -121,7 +106,11 @@ class Node:
         self.secret = secret
         self.traffic = Traffic()
         self.conns: dict[str, Connection] = {}
-        self.known: dict[str, PeerInfo] = {}
+        self.known: dict[str, PeerInfo] = {}  # at most cfg.max_known
+        self.clients: set[Connection] = set()
+        self.budget = Budget(cfg.recv_budget)  # incoming streams of all connections together
+        self.unauthenticated: collections.Counter[str] = collections.Counter()  # handshakes in progress by host
+        self.quiet = QuietLog(log)
         self.started = time.monotonic()
         self.boot = os.urandom(8)  # tells peers a restarted node from a second connection of this one
         self._dialing: set[str] = set()
@@ -197,8 +186,22 @@ class Node:
     # --- connections ------------------------------------------------------------------------------
 
     async def _on_inbound(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = Connection(reader, writer, self.traffic, self.cfg.timeout, self.cfg.recv_budget)
+        host = str((writer.get_extra_info("peername") or ("?",))[0])
+        total = sum(self.unauthenticated.values())
+        if total >= self.cfg.max_unauthenticated or self.unauthenticated[host] >= self.cfg.max_unauthenticated_per_host:
+            self.quiet.log(logging.WARNING, "busy", "refused a connection from %s: %d connections (%d from there) "
+                           "are still in their handshake", host, total, self.unauthenticated[host])
+            writer.write(encode({"t": "error", "id": 1, "code": "busy",
+                                 "message": "too many connections in their handshake; try again later"}))
+            writer.close()
+            return
+        conn = Connection(reader, writer, self.traffic, self._session(dialler=False), self.cfg.timeout)
         await self._admit(conn)
+
+    def _session(self, dialler: bool) -> Session:
+        me = {"node": self.id, "addr": self.cfg.address, "role": self.cfg.role, "blocks": list(self.cfg.blocks),
+              "serves": list(self.cfg.serves), "model": self.serving_model, "boot": self.boot}
+        return open_session(me, self.cfg, self.secret, dialler, self.budget)
 
     async def dial(self, addr: str) -> Connection | None:
         """Connect to addr and run the handshake; None (and a log line) if that fails."""
@@ -213,8 +216,7 @@ class Node:
             log.debug("cannot reach %s: %r", addr, exc)
             self._dialing.discard(addr)
             return None
-        conn = Connection(reader, writer, self.traffic, self.cfg.timeout, self.cfg.recv_budget)
-        conn.outbound = True
+        conn = Connection(reader, writer, self.traffic, self._session(dialler=True), self.cfg.timeout)
         admitted = asyncio.get_running_loop().create_future()
         self.spawn(self._admit(conn, admitted))
         try:
@@ -223,38 +225,44 @@ class Node:
             self._dialing.discard(addr)
 
     async def _admit(self, conn: Connection, admitted: asyncio.Future | None = None) -> None:
-        """Handshake, register, then serve the connection until it ends."""
-        try:
-            hello = await self._handshake(conn)
-        except ProtocolError as exc:
-            log.warning("refused %s: %s", conn.remote, exc.message)
-            await conn.refuse(exc)
-        except PeerGone as exc:
-            log.info("handshake with %s failed: %s", conn.remote, exc)
+        """Handshake (within the deadline), register, then serve the connection until it ends."""
+        hello = await self._admitted_hello(conn)
+        kept = hello is not None and (hello["role"] == "client" or self._register(conn, hello))
+        if admitted is not None:
+            admitted.set_result(kept)
+        if not kept:
             await conn.close()
-        else:
-            if hello["role"] == "client":
-                self.traffic.relabel(conn.label, CLIENTS)
-                conn.label = CLIENTS
-            elif not self._register(conn, hello):
-                await conn.close()
-                if admitted is not None:
-                    admitted.set_result(False)
-                return
-            if admitted is not None:
-                admitted.set_result(True)
-            await conn.serve(self._handle, self.cfg.dead_after)
-            if self.conns.get(conn.label) is conn:
-                del self.conns[conn.label]
-                log.info("peer %s (%s) disconnected", conn.label[:8], hello["addr"])
-        if admitted is not None and not admitted.done():
-            admitted.set_result(False)
+            return
+        if hello["role"] == "client":
+            self.traffic.relabel(conn.label, CLIENTS)
+            conn.label = CLIENTS
+            self.clients.add(conn)
+        await conn.serve(self._handle, self.cfg.dead_after)
+        self.clients.discard(conn)
+        if self.conns.get(conn.label) is conn:
+            del self.conns[conn.label]
+            log.info("peer %s (%s) disconnected", conn.label[:8], hello["addr"])
+
+    async def _admitted_hello(self, conn: Connection) -> dict | None:
+        """The peer's hello once the handshake is through, or None (refused, failed, too slow); it
+        counts as a connection in its handshake meanwhile."""
+        self.unauthenticated[conn.host] += 1
+        try:
+            return await asyncio.wait_for(self._handshake(conn), self.cfg.handshake_timeout)
+        except ProtocolError as exc:
+            self.quiet.log(logging.WARNING, "refused", "refused %s: %s", conn.remote, exc.message)
+            await conn.refuse(exc)
+        except (PeerGone, TimeoutError) as exc:
+            self.quiet.log(logging.INFO, "handshake", "handshake with %s failed: %s", conn.remote,
+                           exc or f"not done within {self.cfg.handshake_timeout:.0f}s")
+        finally:
+            self.unauthenticated[conn.host] -= 1
+            if self.unauthenticated[conn.host] <= 0:
+                del self.unauthenticated[conn.host]
+        return None
 
     async def _handshake(self, conn: Connection) -> dict:
-        me = {"node": self.id, "addr": self.cfg.address, "role": self.cfg.role, "blocks": list(self.cfg.blocks),
-              "serves": list(self.cfg.serves), "model": self.serving_model,
-              "boot": self.boot}
-        hello = await handshake(conn, me, self.cfg.swarm, self.secret)
+        hello = await conn.open()
         existing = self.conns.get(hello["node"])
         if existing is not None and not existing.closed and existing.hello.get("addr") != hello["addr"]:
             raise ProtocolError("duplicate_identity", f"node {hello['node'][:8]} is already connected from "
@@ -302,8 +310,9 @@ class Node:
             if info:
                 info.rtt_ms = (time.monotonic() - msg["ts"]) * 1000
                 info.last_seen = time.monotonic()
-        elif kind == "peers":
+        elif kind == "peers":  # a random sample of the peers it is connected to
             entries = [self.known[n].entry() for n in self.conns if n in self.known]
+            entries = random.sample(entries, min(len(entries), MAX_PEER_ENTRIES))
             await conn.send({"t": "peers_reply", "re": msg["id"], "peers": entries})
         elif kind == "status":
             await conn.send({"t": "status_reply", "re": msg["id"], "status": self.status()})
@@ -328,9 +337,11 @@ class Node:
     # --- loops ------------------------------------------------------------------------------------
 
     async def _ping_loop(self) -> None:
+        """Ping every connection, clients included, so that each side hears the other while a long
+        request runs (a client answers with pong: PROTOCOL.md, section 5)."""
         while True:
             await asyncio.sleep(self.cfg.ping_interval)
-            for conn in list(self.conns.values()):
+            for conn in [*self.conns.values(), *self.clients]:
                 with contextlib.suppress(PeerGone):
                     await conn.send({"t": "ping", "ts": time.monotonic()})
 
@@ -340,28 +351,39 @@ class Node:
             await self.gossip_once()
 
     async def gossip_once(self) -> None:
-        """Ask every connected peer for its peers, learn new ones, dial them, forget stale ones."""
+        """Ask every connected peer for a sample of its peers (all at once, so a slow peer delays
+        nobody), learn new ones, dial a random few, forget stale ones."""
         now = time.monotonic()
-        for conn in list(self.conns.values()):
-            try:
-                reply = await conn.request({"t": "peers"})
-                for entry in reply["peers"]:
-                    self._learn(validate_peer(entry), now)
-            except (PeerGone, ProtocolError) as exc:
-                log.debug("gossip with %s failed: %s", conn.label[:8], exc)
+        await asyncio.gather(*(self._ask_peers(conn, now) for conn in list(self.conns.values())))
         for node in [n for n in self.conns if n in self.known]:
             self.known[node].last_seen = now
         for node, info in list(self.known.items()):
             if node not in self.conns and now - info.last_seen > self.cfg.forget_after:
-                log.info("forgetting peer %s (%s): unreachable for %.0fs", node[:8], info.addr, now - info.last_seen)
+                self.quiet.log(logging.INFO, "forget", "forgetting peer %s (%s): unreachable for %.0fs", node[:8],
+                               info.addr, now - info.last_seen)
                 del self.known[node]
         to_dial = [i.addr for n, i in self.known.items() if n not in self.conns and i.addr]
-        room = max(0, self.cfg.max_peers - len(self.conns))
-        await asyncio.gather(*(self.dial(addr) for addr in to_dial[:room]))
+        room = min(self.cfg.max_peers - len(self.conns), DIALS_PER_ROUND)
+        await asyncio.gather(*(self.dial(addr) for addr in random.sample(to_dial, max(0, min(room, len(to_dial))))))
+
+    async def _ask_peers(self, conn: Connection, now: float) -> None:
+        try:
+            reply = await conn.request({"t": "peers"})
+            if len(reply["peers"]) > MAX_PEER_ENTRIES:
+                raise ProtocolError("bad_field", f"peers_reply lists {len(reply['peers'])} peers, more than "
+                                                 f"{MAX_PEER_ENTRIES}")
+            for entry in reply["peers"]:
+                self._learn(validate_peer(entry), now)
+        except PeerGone as exc:
+            log.debug("gossip with %s failed: %s", conn.label[:8], exc)
+        except ProtocolError as exc:
+            self.quiet.log(logging.WARNING, "gossip", "%s sent a bad peer list (%s); closing", conn.label[:8],
+                           exc.message)
+            await conn.refuse(exc)
 
     def _learn(self, entry: dict, now: float) -> None:
         node = entry["node"]
-        if node == self.id or entry["role"] == "client" or not re.fullmatch(r"[0-9a-f]{32}", node):
+        if node == self.id or entry["role"] == "client" or not is_node_id(node):
             return
         try:
             parse_addr(entry["addr"])
@@ -370,6 +392,11 @@ class Node:
             return
         info = self.known.get(node)
         if info is None:
+            if len(self.known) >= self.cfg.max_known:  # full: a random peer not connected makes room
+                idle = [n for n in self.known if n not in self.conns]
+                if not idle:
+                    return
+                del self.known[random.choice(idle)]
             self.known[node] = PeerInfo(node, entry["addr"], entry["role"], list(entry["blocks"]),
                                         list(entry.get("serves", [])), now)
         elif node not in self.conns:

@@ -76,6 +76,7 @@ def decode_body(body: bytes, max_frame: int = MAX_FRAME, limits: Limits = DEFAUL
 class Received(NamedTuple):
     message: dict
     size: int  # bytes the frame took on the wire, header included
+    body: bytes  # the frame's body as received (a handshake binds the hellos' exact bytes)
 
 
 class Decoder:
@@ -94,34 +95,50 @@ class Decoder:
         self.error: ProtocolError | None = None
 
     def feed(self, data: bytes) -> list[Received]:
-        if self.error is not None:
-            raise self.error
-        self._buffer += data
+        """Buffer data and return every message it completes."""
+        self.receive(data)
         messages = []
         try:
-            while True:
-                if self._need is None:
-                    if len(self._buffer) < HEADER.size:
-                        break
-                    (length,) = HEADER.unpack_from(self._buffer)
-                    if length == 0:
-                        raise ProtocolError("bad_frame", "zero-length frame")
-                    if length > self.max_frame:
-                        raise ProtocolError("too_large", f"frame of {length} bytes exceeds {self.max_frame}")
-                    del self._buffer[: HEADER.size]
-                    self._need = length
-                if len(self._buffer) < self._need:
-                    break
-                with memoryview(self._buffer) as view:
-                    body = bytes(view[: self._need])  # one copy, then the buffer can shrink
-                del self._buffer[: self._need]
-                self._need = None
-                messages.append(Received(decode_body(body, self.max_frame, self.limits), HEADER.size + len(body)))
-        except ProtocolError as exc:
-            self.error = exc
+            while (received := self.next_message()) is not None:
+                messages.append(received)
+        except ProtocolError:
             if not messages:
                 raise
         return messages
+
+    def receive(self, data: bytes) -> None:
+        """Buffer data; `next_message` then takes the messages out one at a time."""
+        if self.error is not None:
+            raise self.error
+        self._buffer += data
+
+    def next_message(self) -> Received | None:
+        """The next complete message, or None until more bytes arrive. Each frame's length is checked
+        against `max_frame` as it stands when the frame's turn comes, so a session can raise the
+        limit after its handshake without refusing a large frame already buffered behind it."""
+        if self.error is not None:
+            raise self.error
+        try:
+            if self._need is None:
+                if len(self._buffer) < HEADER.size:
+                    return None
+                (length,) = HEADER.unpack_from(self._buffer)
+                if length == 0:
+                    raise ProtocolError("bad_frame", "zero-length frame")
+                if length > self.max_frame:
+                    raise ProtocolError("too_large", f"frame of {length} bytes exceeds {self.max_frame}")
+                del self._buffer[: HEADER.size]
+                self._need = length
+            if len(self._buffer) < self._need:
+                return None
+            with memoryview(self._buffer) as view:
+                body = bytes(view[: self._need])  # one copy, then the buffer can shrink
+            del self._buffer[: self._need]
+            self._need = None
+            return Received(decode_body(body, self.max_frame, self.limits), HEADER.size + len(body), body)
+        except ProtocolError as exc:
+            self.error = exc
+            raise
 
     @property
     def buffered(self) -> int:

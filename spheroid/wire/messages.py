@@ -1,4 +1,4 @@
-"""The message set of protocol version 1: every type, its fields and their types.
+"""The message set of protocol version 2: every type, its fields and their types.
 
 A message is a msgpack map with "t" (the type) and "id" (the sender's request id, unique per
 connection); a reply carries "re", the id it answers. Fields not listed here are ignored (so a
@@ -14,11 +14,12 @@ import torch
 
 from .errors import ProtocolError
 
-VERSION = 1
+VERSION = 2
 
 # kind of each field; a trailing "?" marks it optional
 SCHEMAS: dict[str, dict[str, str]] = {
-    # handshake: both sides send hello first; with a swarm secret, both then send auth
+    # handshake (wire/session.py): both sides send hello first; with a swarm secret, the dialler then
+    # proves it holds it, and the acceptor proves it in turn
     "hello": {"version": "uint", "swarm": "str", "node": "str", "addr": "str", "role": "str",
               "blocks": "list", "nonce": "bin", "auth": "bool", "boot": "bin", "serves": "list?",
               "model": "str?"},
@@ -64,7 +65,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
 }
 COMMON = {"t": "str", "id": "uint", "re": "uint?"}
 
-# a peer entry inside peers_reply
+# a peer entry inside peers_reply, which lists at most this many (a random sample)
+MAX_PEER_ENTRIES = 64
 PEER_FIELDS = {"node": "str", "addr": "str", "role": "str", "blocks": "list", "serves": "list?"}
 
 

@@ -74,15 +74,34 @@ class _Partial:
         self.next_seq = 0
 
 
-class StreamAssembler:
-    """Reassembles the streams of one connection within a memory budget (bytes)."""
+class Budget:
+    """Bytes of incoming streams one process may hold, shared by all its connections' assemblers:
+    what many peers together can make a node allocate is bounded, not just what each one can."""
 
-    def __init__(self, budget: int = 1 << 30, limits: Limits = DEFAULT_LIMITS) -> None:
-        self.budget = budget
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+class StreamAssembler:
+    """Reassembles the streams of one connection within a budget (bytes), shared with other
+    connections when given a `Budget` of the whole process."""
+
+    def __init__(self, budget: int | Budget = 1 << 30, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.budget = budget if isinstance(budget, Budget) else Budget(budget)
         self.limits = limits
         self._partial: dict[int, _Partial] = {}
         self._done: dict[int, torch.Tensor] = {}
-        self.held = 0  # bytes allocated for partial and completed, untaken streams
+        self.held = 0  # bytes allocated for partial and completed, untaken streams of this connection
 
     def begin(self, msg: dict) -> None:
         stream, dtype, shape = msg["stream"], msg["dtype"], msg["shape"]
@@ -96,9 +115,10 @@ class StreamAssembler:
         if msg["chunk_elems"] < 1 or msg["chunks"] != math.ceil(numel / msg["chunk_elems"]):
             raise ProtocolError("bad_stream", f"{msg['chunks']} chunks of {msg['chunk_elems']} do not cover {numel}")
         nbytes = numel * DTYPES[dtype].itemsize
-        if self.held + nbytes > self.budget:
-            raise ProtocolError("too_large", f"stream of {nbytes} bytes exceeds the receive budget "
-                                             f"({self.held} of {self.budget} bytes held)")
+        if not self.budget.reserve(nbytes):
+            raise ProtocolError("too_large", f"a stream of {nbytes} bytes does not fit the receiver's budget for "
+                                             f"incoming streams ({self.budget.held} of {self.budget.limit} bytes "
+                                             "held across its connections): send it later, or in smaller parts")
         self.held += nbytes
         part = _Partial(torch.empty(numel, dtype=DTYPES[dtype]), shape, msg["chunks"], msg["chunk_elems"])
         if part.chunks == 0:
@@ -117,9 +137,9 @@ class StreamAssembler:
         lo = part.next_seq * part.chunk_elems
         hi = min(lo + part.chunk_elems, part.out.numel())
         data = msg["data"]
-        if data.dtype != part.out.dtype or data.numel() != hi - lo:
+        if data.dim() != 1 or data.dtype != part.out.dtype or data.numel() != hi - lo:
             raise ProtocolError("bad_stream", f"stream {stream} chunk {msg['seq']}: expected {hi - lo} "
-                                              f"{part.out.dtype}, got {data.numel()} {data.dtype}")
+                                              f"{part.out.dtype} in one dimension, got {list(data.shape)} {data.dtype}")
         part.out[lo:hi] = data.reshape(-1)
         part.next_seq += 1
         if part.next_seq < part.chunks:
@@ -133,10 +153,14 @@ class StreamAssembler:
         if stream not in self._done:
             raise ProtocolError("bad_stream", f"stream {stream} is not complete")
         tensor = self._done.pop(stream)
-        self.held -= tensor.numel() * tensor.element_size()
+        nbytes = tensor.numel() * tensor.element_size()
+        self.held -= nbytes
+        self.budget.release(nbytes)
         return tensor
 
     def clear(self) -> None:
+        """Drop every stream (the connection ended), returning their bytes to the budget."""
         self._partial.clear()
         self._done.clear()
+        self.budget.release(self.held)
         self.held = 0

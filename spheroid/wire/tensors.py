@@ -105,6 +105,8 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
         raise ProtocolError("bad_tensor", f"shape must be at most {limits.max_dims} non-negative integers")
     if not isinstance(data, bytes) or not isinstance(scales, bytes) or not isinstance(block, int):
         raise ProtocolError("bad_tensor", "data and scales must be bin, block an integer")
+    if codec != "int8" and (scales or block):
+        raise ProtocolError("bad_tensor", f"codec {codec} carries no scales: scales must be empty and block 0")
     numel = math.prod(shape)
     if numel > limits.max_elements:
         raise ProtocolError("too_large", f"tensor of {numel} elements exceeds the limit of {limits.max_elements}")

@@ -1,0 +1,250 @@
+"""The protocol's conversation, sans I/O: a `Session` is fed bytes and says what happened.
+
+In the manner of h11's `Connection`: nothing here touches a socket. The layer around it writes
+`data_to_send()` to the peer, feeds what it reads to `receive_data()` and acts on the events that
+come back. The session runs the handshake (hellos, then proofs when the swarm has a secret),
+refuses anything else before it is done, checks every message it sends against the schema,
+and reassembles tensor streams within a budget shared by the whole process.
+
+The handshake of version 2 (proto/PROTOCOL.md, section 6) binds each side's proof to the exact
+bytes of both hellos (so both nonces and both node ids), to the side that makes it (dialler or
+acceptor) and to a fixed label; the dialler proves first and the acceptor proves only after
+checking that proof. So a proof cannot be relayed to another connection, reflected back to its
+maker or replayed later, and a node never proves anything to a peer that has not proven first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import os
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from .codec import MAX_FRAME, Decoder, encode
+from .errors import ProtocolError
+from .messages import VERSION, validate
+from .streams import Budget, StreamAssembler
+
+NODE_ID = re.compile(r"[0-9a-f]{32}")  # a node id: 32 lowercase hex digits
+HANDSHAKE_MAX_FRAME = 64 << 10  # a peer that has not finished the handshake cannot make us buffer more
+NONCE_BYTES = 16
+LABEL = b"spheroid-handshake-v2"
+
+
+class State(Enum):
+    HELLO = "hello"  # waiting for the peer's hello
+    AUTH = "auth"  # waiting for the peer's proof
+    OPEN = "open"  # the handshake is done: any message of the protocol
+    CLOSED = "closed"  # refused, or refused us: nothing more is read or sent
+
+
+@dataclass(frozen=True)
+class Opened:
+    """The handshake is done; `hello` is the peer's."""
+
+    hello: dict
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message after the handshake (stream frames are absorbed by the session)."""
+
+    message: dict
+    size: int  # bytes of its frame, header included
+
+
+@dataclass(frozen=True)
+class Frame:
+    """A handshake or stream frame the session took in itself (reported so that traffic is counted)."""
+
+    kind: str
+    size: int
+    raw: int  # bytes of tensor data it carried
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The peer refused the handshake with an error message; the session is closed."""
+
+    code: str
+    text: str
+
+
+Event = Opened | Message | Frame | Refused
+
+
+def is_node_id(value: object) -> bool:
+    return isinstance(value, str) and NODE_ID.fullmatch(value) is not None
+
+
+def transcript(dialler_hello: bytes, acceptor_hello: bytes) -> bytes:
+    """SHA-256 over the label and both hellos' frame bodies, each prefixed by its 4-byte length."""
+    digest = hashlib.sha256(LABEL)
+    for body in (dialler_hello, acceptor_hello):
+        digest.update(len(body).to_bytes(4, "big"))
+        digest.update(body)
+    return digest.digest()
+
+
+def proof(secret: bytes, transcript_hash: bytes, side: str) -> bytes:
+    """What `side` ("dialler" or "acceptor") sends to show it holds the swarm secret."""
+    return hmac.new(secret, LABEL + b"|" + side.encode() + b"|" + transcript_hash, hashlib.sha256).digest()
+
+
+def check_uints(hello: dict, name: str) -> None:
+    values = hello.get(name, [])
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ProtocolError("handshake", f"hello.{name} must be a list of block numbers (uint)")
+
+
+class Session:
+    """One connection's conversation. `me`: this side's hello fields (node, addr, role, blocks, boot,
+    and optionally serves and model); `dialler`: whether this side opened the connection."""
+
+    def __init__(self, me: dict, *, dialler: bool, swarm: str, secret: bytes | None,
+                 budget: int | Budget = 1 << 30) -> None:
+        self.dialler = dialler
+        self.swarm = swarm
+        self.secret = secret
+        self.me = me
+        self.state = State.HELLO
+        self.peer: dict = {}  # the peer's hello, once received
+        self.streams = StreamAssembler(budget)
+        self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME)
+        self._ids = itertools.count(1)
+        self._out = bytearray()
+        self.error: ProtocolError | None = None  # what ended the session, once it is raised
+        hello = {"t": "hello", "id": self.next_id(), "version": VERSION, "swarm": swarm, **me,
+                 "nonce": os.urandom(NONCE_BYTES), "auth": secret is not None}
+        frame = encode(validate(hello))
+        self._hellos = {"mine": frame[4:], "theirs": b""}
+        self._out += frame  # both sides send hello at once
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    # --- sending ----------------------------------------------------------------------------------
+
+    def data_to_send(self) -> bytes:
+        """Bytes the session itself has to send (its hello, its proof, an error); empties the queue."""
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    def send(self, message: dict) -> bytes:
+        """One message as a frame, checked against its schema; an id is assigned if it has none."""
+        if self.state is not State.OPEN:
+            raise ValueError(f"cannot send {message.get('t')} while the session is {self.state.value}")
+        message.setdefault("id", self.next_id())
+        try:
+            validate(message)
+        except ProtocolError as exc:  # our own bug, not the peer's: say so
+            raise ValueError(f"refusing to send an invalid message: {exc.message}") from None
+        return encode(message)
+
+    def refuse(self, error: ProtocolError) -> bytes:
+        """The error frame that tells the peer why we close; the session is closed."""
+        self.state = State.CLOSED
+        return encode({"t": "error", "id": self.next_id(), "code": error.code, "message": error.message})
+
+    # --- receiving --------------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> list[Event]:
+        """Feed bytes from the peer; the events they complete, in order.
+
+        A protocol error ends the session: the events before it are returned first and the error
+        is raised by the next call (at once if there were none); `refuse` then gives the error
+        frame to send before closing.
+        """
+        if self.error is not None:
+            raise self.error
+        if self.state is State.CLOSED:
+            return []
+        self._decoder.receive(data)
+        events: list[Event] = []
+        try:
+            while self.state is not State.CLOSED and (received := self._decoder.next_message()) is not None:
+                events += self._handle(received.message, received.size, received.body)
+        except ProtocolError as exc:
+            self.error = exc
+            if not events:
+                raise
+        return events
+
+    def _handle(self, message: dict, size: int, body: bytes) -> list[Event]:
+        kind = message["t"]
+        if self.state is State.OPEN:
+            return self._handle_open(message, size)
+        if kind == "error":
+            self.state = State.CLOSED
+            return [Refused(message["code"], message["message"])]
+        return [Frame(kind, size, size), *self._handshake(message, body)]
+
+    def _handshake(self, message: dict, body: bytes) -> list[Event]:
+        kind = message["t"]
+        if self.state is State.HELLO:
+            if kind != "hello":
+                raise ProtocolError("handshake", f"expected hello first, got {kind}")
+            self._check_hello(message)
+            self.peer, self._hellos["theirs"] = message, body
+            if self.secret is None:
+                return self._open()
+            self.state = State.AUTH
+            if self.dialler:  # the dialler proves first
+                self._send_proof()
+            return []
+        if kind != "auth":
+            raise ProtocolError("handshake", f"expected auth, got {kind}")
+        peer_side = "acceptor" if self.dialler else "dialler"
+        if not hmac.compare_digest(message["mac"], proof(self.secret, self._transcript(), peer_side)):
+            raise ProtocolError("auth_failed", "authentication failed: wrong swarm secret, or a proof made for "
+                                               "another connection")
+        if not self.dialler:  # the acceptor proves only once the dialler has
+            self._send_proof()
+        return self._open()
+
+    def _check_hello(self, hello: dict) -> None:
+        if hello["version"] != VERSION:
+            raise ProtocolError("version", f"the peer speaks protocol version {hello['version']} and this side "
+                                           f"{VERSION}: upgrade the older one")
+        if hello["swarm"] != self.swarm:
+            raise ProtocolError("swarm", f"swarm {hello['swarm']!r} is not {self.swarm!r}")
+        if hello["auth"] != (self.secret is not None):
+            raise ProtocolError("auth_required", "one side has a swarm secret and the other has none")
+        if not is_node_id(hello["node"]):
+            raise ProtocolError("handshake", "node id must be 32 lowercase hex digits")
+        if hello["node"] == self.me["node"]:
+            raise ProtocolError("self", "connected to itself")
+        if len(hello["nonce"]) < NONCE_BYTES:
+            raise ProtocolError("handshake", f"nonce must be at least {NONCE_BYTES} bytes")
+        check_uints(hello, "blocks")
+        check_uints(hello, "serves")
+
+    def _transcript(self) -> bytes:
+        mine, theirs = self._hellos["mine"], self._hellos["theirs"]
+        return transcript(mine, theirs) if self.dialler else transcript(theirs, mine)
+
+    def _send_proof(self) -> None:
+        side = "dialler" if self.dialler else "acceptor"
+        self._out += encode({"t": "auth", "id": self.next_id(), "mac": proof(self.secret, self._transcript(), side)})
+
+    def _open(self) -> list[Event]:
+        self.state = State.OPEN
+        self._decoder.max_frame = MAX_FRAME
+        return [Opened(self.peer)]
+
+    def _handle_open(self, message: dict, size: int) -> list[Event]:
+        kind = message["t"]
+        if kind == "stream_begin":
+            self.streams.begin(message)
+            return [Frame(kind, size, size)]
+        if kind == "stream_chunk":
+            self.streams.chunk(message)
+            data = message["data"]
+            return [Frame(kind, size, data.numel() * data.element_size())]
+        if kind in ("hello", "auth"):
+            raise ProtocolError("unexpected", f"{kind} after the handshake")
+        return [Message(message, size)]

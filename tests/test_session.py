@@ -1,0 +1,148 @@
+"""The protocol's conversation on plain bytes: the handshake of version 2, without sockets."""
+
+import os
+
+import msgpack
+import pytest
+
+from spheroid.wire import ProtocolError, encode
+from spheroid.wire.session import HANDSHAKE_MAX_FRAME, Message, Opened, Refused, Session, State
+
+SECRET = b"a swarm secret"
+
+
+def me(**fields) -> dict:
+    return {"node": os.urandom(16).hex(), "addr": "", "role": "worker", "blocks": [0], "boot": os.urandom(8),
+            **fields}
+
+
+def pair(dialler_secret=SECRET, acceptor_secret=SECRET) -> tuple[Session, Session]:
+    return (Session(me(), dialler=True, swarm="s", secret=dialler_secret),
+            Session(me(), dialler=False, swarm="s", secret=acceptor_secret))
+
+
+def frames(data: bytes) -> list[dict]:
+    """The messages in a run of frames."""
+    out, pos = [], 0
+    while pos < len(data):
+        n = int.from_bytes(data[pos : pos + 4], "big")
+        out.append(msgpack.unpackb(data[pos + 4 : pos + 4 + n]))
+        pos += 4 + n
+    return out
+
+
+def test_both_sides_open_and_the_dialler_proves_first():
+    d, a = pair()
+    d_hello, a_hello = d.data_to_send(), a.data_to_send()
+    assert not any(isinstance(e, Opened) for e in a.receive_data(d_hello))
+    assert a.data_to_send() == b""  # the acceptor proves nothing before the dialler has
+    d.receive_data(a_hello)
+    d_proof = d.data_to_send()
+    assert [m["t"] for m in frames(d_proof)] == ["auth"] and d.state is State.AUTH
+    opened = [e for e in a.receive_data(d_proof) if isinstance(e, Opened)]
+    assert opened and opened[0].hello["node"] == d.me["node"] and a.state is State.OPEN
+    a_proof = a.data_to_send()
+    assert [m["t"] for m in frames(a_proof)] == ["auth"]
+    assert any(isinstance(e, Opened) for e in d.receive_data(a_proof)) and d.state is State.OPEN
+    # then messages flow, and their ids are the session's
+    [event] = a.receive_data(d.send({"t": "status"}))
+    assert isinstance(event, Message) and event.message["t"] == "status"
+
+
+def test_without_a_secret_the_hellos_are_the_handshake():
+    d, a = pair(None, None)
+    assert any(isinstance(e, Opened) for e in a.receive_data(d.data_to_send()))
+    assert any(isinstance(e, Opened) for e in d.receive_data(a.data_to_send()))
+
+
+def test_a_wrong_secret_fails_at_the_acceptor_which_never_proves():
+    d, a = pair(SECRET, b"another secret")
+    a_hello = a.data_to_send()
+    a.receive_data(d.data_to_send())
+    d.receive_data(a_hello)
+    with pytest.raises(ProtocolError) as err:
+        a.receive_data(d.data_to_send())
+    assert err.value.code == "auth_failed" and a.data_to_send() == b""
+    assert frames(a.refuse(err.value))[0]["code"] == "auth_failed" and a.state is State.CLOSED
+
+
+def test_a_proof_is_bound_to_its_connection_and_side():
+    """Replay: a dialler's valid proof from one connection, sent on another, fails. Reflection: an
+    acceptor's own side label is not the dialler's, so a proof cannot be bounced back."""
+    d1, a1 = pair()
+    a1.receive_data(d1.data_to_send())
+    d1.receive_data(a1.data_to_send())
+    recorded = d1.data_to_send()  # d1's proof, valid on connection 1
+    assert any(isinstance(e, Opened) for e in a1.receive_data(recorded))
+    # replay: the same hello and proof bytes to a fresh acceptor, whose nonce differs
+    a2 = Session(a1.me, dialler=False, swarm="s", secret=SECRET)
+    a2.data_to_send()
+    hello_frame = encode({"t": "hello", "id": 1, **frames_hello(d1)})
+    a2.receive_data(hello_frame)
+    with pytest.raises(ProtocolError, match="another connection"):
+        a2.receive_data(recorded)
+    # reflection: a dialler that gets its own proof back as the acceptor's refuses it
+    d3, a3 = pair()
+    a3.receive_data(d3.data_to_send())
+    d3.receive_data(a3.data_to_send())
+    reflected = d3.data_to_send()
+    with pytest.raises(ProtocolError) as err:
+        d3.receive_data(reflected)
+    assert err.value.code == "auth_failed"
+
+
+def frames_hello(session: Session) -> dict:
+    """The hello a session sent, as fields (to send the same again)."""
+    hello = msgpack.unpackb(session._hellos["mine"])
+    return {k: v for k, v in hello.items() if k not in ("t", "id")}
+
+
+@pytest.mark.parametrize("change, code", [({"version": 1}, "version"), ({"swarm": "other"}, "swarm"),
+                                          ({"auth": False}, "auth_required"), ({"node": "NOT-HEX"}, "handshake"),
+                                          ({"nonce": b"short"}, "handshake"), ({"blocks": ["0"]}, "handshake"),
+                                          ({"serves": [-1]}, "handshake")])
+def test_a_bad_hello_is_refused_with_its_code(change, code):
+    a = Session(me(), dialler=False, swarm="s", secret=SECRET)
+    hello = {"t": "hello", "id": 1, "version": 2, "swarm": "s", **me(), "nonce": os.urandom(16), "auth": True,
+             **change}
+    with pytest.raises(ProtocolError) as err:
+        a.receive_data(encode(hello))
+    assert err.value.code == code
+    if code == "version":
+        assert "version 1" in err.value.message and "upgrade" in err.value.message
+
+
+def test_only_hello_and_auth_before_the_handshake_and_small_frames_only():
+    a = Session(me(), dialler=False, swarm="s", secret=None)
+    with pytest.raises(ProtocolError, match="expected hello"):
+        a.receive_data(encode({"t": "status", "id": 1}))
+    b = Session(me(), dialler=False, swarm="s", secret=None)
+    with pytest.raises(ProtocolError) as err:  # a frame header claiming more than a hello can need
+        b.receive_data((HANDSHAKE_MAX_FRAME + 1).to_bytes(4, "big"))
+    assert err.value.code == "too_large"
+    c = Session(me(), dialler=True, swarm="s", secret=None)
+    with pytest.raises(ValueError, match="while the session is hello"):
+        c.send({"t": "status"})
+
+
+def test_a_large_frame_right_behind_the_hello_is_read_with_the_open_limit():
+    d, a = pair(None, None)
+    a.receive_data(d.data_to_send())
+    big = encode({"t": "error", "id": 9, "code": "x", "message": "m" * 60_000} | {"pad": b"p" * 200_000})
+    events = d.receive_data(a.data_to_send() + big)
+    assert isinstance(events[-1], Message) and events[-1].message["t"] == "error"
+
+
+def test_a_refusal_during_the_handshake_is_an_event_and_closes():
+    d, a = pair(SECRET, None)
+    with pytest.raises(ProtocolError) as err:
+        a.receive_data(d.data_to_send())
+    [event] = [e for e in d.receive_data(a.refuse(err.value)) if isinstance(e, Refused)]
+    assert event.code == "auth_required" and d.state is State.CLOSED
+
+
+def test_send_checks_the_schema():
+    d, a = pair(None, None)
+    d.receive_data(a.data_to_send())
+    with pytest.raises(ValueError, match="invalid message"):
+        d.send({"t": "ping", "ts": "now"})
