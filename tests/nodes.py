@@ -6,11 +6,14 @@ import asyncio
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import msgpack
 
 from spheroid.config import NodeConfig
 from spheroid.launch import free_port
@@ -104,6 +107,47 @@ def raw_exchange(addr: str, frames: list[bytes], timeout: float = 10.0) -> list[
             if got and got[-1]["t"] == "error":
                 break
         return got
+
+
+class RawPeer:
+    """A hand-driven connection (to play a client or an attacker): whole frames, blocking, with a timeout."""
+
+    def __init__(self, addr: str | None = None, sock: socket.socket | None = None, timeout: float = 10.0) -> None:
+        if sock is None:
+            host, port = addr.split(":")
+            sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock = sock
+        self.sock.settimeout(timeout)
+
+    def send(self, message: dict) -> bytes:
+        """Send one message; its frame body (a handshake transcript needs the exact bytes)."""
+        body = encode(message)[4:]
+        self.send_raw(encode(message))
+        return body
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def receive(self) -> tuple[dict, bytes]:
+        """The next message other than a ping, and its frame body."""
+        while True:
+            (length,) = struct.unpack(">I", self._exactly(4))
+            body = self._exactly(length)
+            message = msgpack.unpackb(body, raw=False)
+            if message.get("t") != "ping":
+                return message, body
+
+    def _exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionError("the peer closed the connection")
+            data += chunk
+        return data
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def handshake_then(addr: str, *frames: bytes) -> list[dict]:

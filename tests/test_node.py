@@ -57,7 +57,7 @@ def test_truncated_frame_then_close_leaves_the_node_serving(node):
     assert node.status()["node"]
 
 
-@pytest.mark.parametrize("change, code", [({"version": 99}, "version"), ({"swarm": "other"}, "swarm"),
+@pytest.mark.parametrize("change, code", [({"version": 1}, "version"), ({"swarm": "other"}, "swarm"),
                                           ({"auth": True}, "auth_required"), ({"node": "me"}, "handshake"),
                                           ({"nonce": b"short"}, "handshake")])
 def test_handshake_mismatch_is_refused_with_a_clear_error(node, change, code):

@@ -40,7 +40,7 @@ from .identity import Identity
 log = logging.getLogger(__name__)
 
 CLIENTS = "clients"  # the one accounting label of all client connections (status, assemble, ...)
-DIALS_PER_ROUND = 8  # new peers dialled per gossip round: fake entries cannot queue up real ones for long
+DIALS_AT_ONCE = 16  # dials to learned peers in flight at once
 
 
 @dataclass
@@ -52,6 +52,9 @@ class PeerInfo:
     serves: list[int] = field(default_factory=list)  # blocks it serves for inference
     last_seen: float = field(default_factory=time.monotonic)
     rtt_ms: float | None = None
+    learned: float = field(default_factory=time.monotonic)  # peers are dialled oldest-learned first
+    failures: int = 0  # dials that failed in a row
+    retry_at: float = 0.0  # not dialled again before this (backing off after failures)
 
     def entry(self) -> dict:
         return {"node": self.node, "addr": self.addr, "role": self.role, "blocks": self.blocks, "serves": self.serves}
@@ -352,7 +355,7 @@ class Node:
 
     async def gossip_once(self) -> None:
         """Ask every connected peer for a sample of its peers (all at once, so a slow peer delays
-        nobody), learn new ones, dial a random few, forget stale ones."""
+        nobody), learn new ones, forget stale ones, and start dialling a few."""
         now = time.monotonic()
         await asyncio.gather(*(self._ask_peers(conn, now) for conn in list(self.conns.values())))
         for node in [n for n in self.conns if n in self.known]:
@@ -362,9 +365,20 @@ class Node:
                 self.quiet.log(logging.INFO, "forget", "forgetting peer %s (%s): unreachable for %.0fs", node[:8],
                                info.addr, now - info.last_seen)
                 del self.known[node]
-        to_dial = [i.addr for n, i in self.known.items() if n not in self.conns and i.addr]
-        room = min(self.cfg.max_peers - len(self.conns), DIALS_PER_ROUND)
-        await asyncio.gather(*(self.dial(addr) for addr in random.sample(to_dial, max(0, min(room, len(to_dial))))))
+        # dial in the background, in the order peers were learned, backing off from failures: peers
+        # that fake entries push in later wait behind the real ones, and dead ones leave the queue
+        due = [i for n, i in self.known.items() if n not in self.conns and i.retry_at <= now and i.addr
+               and i.addr not in self._dialing]
+        room = min(self.cfg.max_peers - len(self.conns), DIALS_AT_ONCE - len(self._dialing))
+        for info in sorted(due, key=lambda i: (i.failures, i.learned))[: max(0, room)]:
+            self.spawn(self._dial_learned(info))
+
+    async def _dial_learned(self, info: PeerInfo) -> None:
+        if await self.dial(info.addr) is None:
+            info.failures += 1
+            info.retry_at = time.monotonic() + min(300.0, self.cfg.gossip_interval * 2**info.failures)
+        else:
+            info.failures = 0
 
     async def _ask_peers(self, conn: Connection, now: float) -> None:
         try:
@@ -398,7 +412,7 @@ class Node:
                     return
                 del self.known[random.choice(idle)]
             self.known[node] = PeerInfo(node, entry["addr"], entry["role"], list(entry["blocks"]),
-                                        list(entry.get("serves", [])), now)
+                                        list(entry.get("serves", [])), now, learned=now)
         elif node not in self.conns:
             info.last_seen = now  # someone is still connected to it
 

@@ -1,0 +1,203 @@
+"""A node's resources under abuse, with real sockets: handshakes, stream memory, gossip floods, logs."""
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+
+import torch
+
+from spheroid.config import NodeConfig
+from spheroid.node.accounting import Traffic
+from spheroid.node.connection import Connection
+from spheroid.node.identity import load_or_create
+from spheroid.node.node import Node, QuietLog, open_session
+from spheroid.wire import encode, stream_frames
+
+from .nodes import NodeProcess, RawPeer, free_port, hello, wait_until
+
+
+def memory_kib(pid: int, field: str) -> int:
+    """VmRSS (now) or VmHWM (peak) of a process, in KiB."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        sock.setblocking(False)
+        return sock.recv(1 << 16) == b"" or closed_by_peer(sock)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_connections_that_never_finish_a_handshake_are_cheap_and_closed(tmp_path):
+    """500 connections: 200 declare a 4 MiB frame and trickle it, 299 stay silent, one trickles a
+    well-formed hello too slowly. All are closed within 30 s, RSS grows by at most 64 MiB, and the
+    node answers status afterwards."""
+    node = NodeProcess(tmp_path, "n").start()
+    try:
+        node.wait_ready()
+        before = memory_kib(node.proc.pid, "VmRSS")
+        host, port = node.addr.split(":")
+        socks = [socket.create_connection((host, int(port)), timeout=10) for _ in range(500)]
+        trickling = socks[:200]
+        for sock in trickling:
+            with_suppressed(sock.sendall, (4 << 20).to_bytes(4, "big") + b"\x80" * (16 << 10))
+        slow_hello = encode(hello())
+        socks[-1].sendall(slow_hello[:6])
+        deadline, start = time.monotonic() + 30, time.monotonic()
+        open_socks = list(socks)
+        while open_socks and time.monotonic() < deadline:
+            time.sleep(2)
+            for sock in open_socks:
+                if sock in trickling or sock is socks[-1]:
+                    with_suppressed(sock.sendall, b"\x80" * (16 << 10) if sock is not socks[-1] else b"\x81")
+            open_socks = [s for s in open_socks if not closed_by_peer(s)]
+        grown_mib = (memory_kib(node.proc.pid, "VmHWM") - before) / 1024
+        assert not open_socks, f"{len(open_socks)} connections still open after {time.monotonic() - start:.0f}s"
+        assert grown_mib <= 64, f"RSS grew by {grown_mib:.0f} MiB"
+        assert node.status()["node"]
+        assert "are still in their handshake" in node.log.read_text()
+    finally:
+        for sock in socks:
+            sock.close()
+        node.stop()
+
+
+def with_suppressed(send, data: bytes) -> None:
+    try:
+        send(data)
+    except OSError:
+        pass  # the node closed it already
+
+
+def test_streams_of_all_connections_share_one_memory_budget(tmp_path):
+    """6 connections each try to fill 600 MiB of streams: the node holds at most its budget (384 MiB
+    by default) across all of them, refuses the rest with a clear error, and answers status meanwhile."""
+    node = NodeProcess(tmp_path, "n").start()
+    try:
+        node.wait_ready()
+        before = memory_kib(node.proc.pid, "VmRSS")
+        tensor = torch.zeros(25 << 20)  # 100 MiB of float32 per stream, 6 streams per connection
+        refusals: list[str] = []
+
+        def fill() -> None:
+            peer = RawPeer(node.addr)
+            peer.send(hello(role="worker", addr=f"127.0.0.1:{free_port()}"))
+            peer.receive()
+            ids = iter(range(2, 1 << 30))
+            try:
+                for stream in range(1, 7):
+                    for out in stream_frames(tensor, stream, lambda: next(ids)):
+                        peer.send_raw(out.frame)
+            except OSError:
+                pass  # refused mid-send: the refusal is in what came back
+            try:  # streams that fit are held until the node says no, or for 5 s
+                peer.sock.settimeout(5)
+                refusals.append(peer.receive()[0].get("message", ""))
+            except OSError:
+                pass
+            peer.close()
+
+        threads = [threading.Thread(target=fill) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        answered = []
+        while any(t.is_alive() for t in threads):
+            t0 = time.monotonic()
+            node.status()
+            answered.append(time.monotonic() - t0)
+            time.sleep(0.5)
+        for thread in threads:
+            thread.join()
+        grown_mib = (memory_kib(node.proc.pid, "VmHWM") - before) / 1024
+        assert grown_mib <= 512, f"RSS grew by {grown_mib:.0f} MiB"
+        assert answered and max(answered) < 5.0, f"status took up to {max(answered):.1f}s"
+        assert any("does not fit the receiver's budget" in r for r in refusals), refusals
+        assert node.status()["node"]
+    finally:
+        node.stop()
+
+
+def test_a_peer_list_flood_keeps_the_table_bounded_and_real_peers_reachable(tmp_path):
+    """A member answers every peers request with 64 new fake peers; another once with 40,000. The
+    known table stays at max_known, status stays fast, the oversized list closes the connection, and
+    a real peer listed among the fakes is dialled (peers are dialled in the order they were learned)."""
+
+    async def scenario() -> tuple[int, float, bool, bool]:
+        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"), max_known=500,
+                         timeout=2)
+        node = Node(cfg, load_or_create(cfg.identity))
+        real_cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "real.json"))
+        real = Node(real_cfg, load_or_create(real_cfg.identity))
+        await node.start()
+        await real.start()
+        liar = await member(cfg, "ab" * 16)
+        rounds = iter(range(1 << 30))
+
+        async def answer(conn: Connection, msg: dict) -> None:
+            if msg["t"] == "peers":
+                r = next(rounds)
+                fakes = [{"node": os.urandom(16).hex(), "addr": "127.0.0.1:1", "role": "worker", "blocks": []}
+                         for _ in range(64)]
+                if r == 2:
+                    fakes[-1] = {"node": real.id, "addr": real_cfg.listen, "role": "worker", "blocks": []}
+                await conn.send({"t": "peers_reply", "re": msg["id"], "peers": fakes})
+
+        serving = asyncio.create_task(liar.serve(answer, 60))
+        await asyncio.sleep(0.2)
+        for _ in range(40):
+            await node.gossip_once()
+            await asyncio.sleep(0.05)  # the dials it started fail (nothing listens on port 1)
+        t0 = time.monotonic()
+        node.status()
+        status_s = time.monotonic() - t0
+        known, reached = len(node.known), real.id in node.conns
+        flooder = await member(cfg, "cd" * 16)
+
+        async def flood(conn: Connection, msg: dict) -> None:
+            if msg["t"] == "peers":
+                entry = {"node": "ef" * 16, "addr": "127.0.0.1:1", "role": "worker", "blocks": []}
+                await conn.send({"t": "peers_reply", "re": msg["id"], "peers": [entry] * 40_000})
+
+        flooding = asyncio.create_task(flooder.serve(flood, 60))
+        await asyncio.sleep(0.2)
+        await node.gossip_once()
+        await asyncio.wait_for(flooding, 10)
+        for conn in (liar,):
+            await conn.close()
+        await serving
+        await node.stop()
+        await real.stop()
+        return known, status_s, reached, flooder.closed
+
+    known, status_s, reached, flooder_closed = asyncio.run(scenario())
+    assert known <= 500 and status_s < 1.0 and reached and flooder_closed
+
+
+async def member(cfg: NodeConfig, node_id: str) -> Connection:
+    """An in-process member connected to the node of cfg, its handshake done."""
+    reader, writer = await asyncio.open_connection(*cfg.listen.split(":"))
+    me = {"node": node_id, "addr": f"127.0.0.1:{free_port()}", "role": "worker", "blocks": [], "boot": b"12345678"}
+    conn = Connection(reader, writer, Traffic(), open_session(me, cfg, None, True, 1 << 20))
+    await conn.open()
+    return conn
+
+
+def test_repetitive_log_lines_are_rate_limited(caplog):
+    quiet = QuietLog(logging.getLogger("quiet-test"), burst=3, period=0.2)
+    with caplog.at_level(logging.INFO, "quiet-test"):
+        for i in range(100):
+            quiet.log(logging.INFO, "forget", "forgetting peer %d", i)
+        wait_until(lambda: time.sleep(0.25) or True, 1, "the period to pass")
+        quiet.log(logging.INFO, "forget", "forgetting peer %d", 100)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["forgetting peer 0", "forgetting peer 1", "forgetting peer 2",
+                     lines[3], "forgetting peer 100"] and "97 more forget lines" in lines[3]
