@@ -14,11 +14,13 @@ one-block-deep references and block 0 alone. Writes JSON (--out), a PNG of valid
 training FLOPs, and prints a table.
 
     python bench/quality.py --preset ci|small|depth|paper [--out FILE] [--work DIR] [--data DIR] [--device D]
+                            [--set GROUP.FIELD=VALUE] [--reuse-references EARLIER_WORK]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -119,12 +121,43 @@ def wait_for(procs: list[subprocess.Popen], logs: list[Path], every: float = 60.
             raise RuntimeError(f"trainer failed ({' '.join(proc.args)}):\n{log_path.read_text()[-3000:]}")
 
 
+def reuse_references(cfg: RunConfig, source: Path, work: Path) -> dict:
+    """Copy the four references an earlier run trained in `source` into `work`; their metrics.
+
+    Only a block's own settings may differ (the channel, the relay loss, the noise schedule, how
+    blocks are fed): anything a reference's training depends on must match, or this refuses."""
+    block_only = {"channel": cfg.model.channel, "relay_loss": cfg.model.relay_loss}
+    metrics = {}
+    for name, (folder, _) in REFERENCES.items():
+        record = source / folder / "reference.json"
+        if not record.exists():
+            raise SystemExit(f"--reuse-references: {record} is missing; train the references there first")
+        trained = RunConfig.from_dict(json.loads(record.read_text())["config"])
+        expected = dataclasses.replace(cfg.model, n_blocks=1 if name in ONE_BLOCK_DEEP else cfg.model.n_blocks,
+                                       reference_layout="two_stream" if "two_stream" in name else "plain")
+        same_train = dataclasses.replace(trained.train, refresh_every=cfg.train.refresh_every,
+                                         block_input=cfg.train.block_input) == cfg.train
+        if dataclasses.replace(trained.model, **block_only) != expected or not same_train:
+            raise SystemExit(f"--reuse-references: {source / folder} was trained with another configuration "
+                             f"({trained.model}, {trained.train}); retrain without --reuse-references")
+        if (work / folder).resolve() != (source / folder).resolve():
+            shutil.rmtree(work / folder, ignore_errors=True)
+            shutil.copytree(source / folder, work / folder)
+        metrics[name] = json.loads((source / "logs" / f"{name}.metrics.json").read_text())
+        log.info("reusing %s from %s", name, source / folder)
+    (work / "logs").mkdir(exist_ok=True)
+    for name, value in metrics.items():
+        (work / "logs" / f"{name}.metrics.json").write_text(json.dumps(value))
+    return metrics
+
+
 def train_all(cfg: RunConfig, work: Path, data: str | None, device: str | None, jobs: int, save_every: int,
-              refresh_every: int) -> dict:
+              refresh_every: int, trained: dict) -> dict:
     """Train the references and the blocks, `jobs` at a time; returns their metrics by run name.
 
     The blocks in order are one sequence (each reads the ones before it); the blocks all at once
     start together (each reading the others' published snapshots), counting as one job per block.
+    Runs named in `trained` (reused references) are not trained again.
     """
     cfg_file = work / "config.json"
     cfg_file.write_text(cfg.to_json())
@@ -137,7 +170,7 @@ def train_all(cfg: RunConfig, work: Path, data: str | None, device: str | None, 
     n = cfg.model.n_blocks
     runs.update({f"block_{b}": ["--block", str(b), "--out", str(work / CHAINS["ordered"])] for b in range(n)})
     # the longest sequence first: in order, block b reads the trained blocks before it
-    groups = [[f"block_{b}" for b in range(n)], *([name] for name in REFERENCES)]
+    groups = [[f"block_{b}" for b in range(n)], *([name] for name in REFERENCES if name not in trained)]
     if refresh_every:
         folder = work / CHAINS["concurrent"]
         shutil.rmtree(folder, ignore_errors=True)  # snapshots of an earlier run would be read as published
@@ -169,7 +202,7 @@ def train_all(cfg: RunConfig, work: Path, data: str | None, device: str | None, 
         return {name: json.loads((work / "logs" / f"{name}.metrics.json").read_text()) for name in names}
 
     with ThreadPoolExecutor(max_workers=len(groups)) as pool:
-        return {k: v for done in pool.map(one, groups) for k, v in done.items()}
+        return {**trained, **{k: v for done in pool.map(one, groups) for k, v in done.items()}}
 
 
 def snapshot(folder: Path, step: int, final_step: int) -> Path:
@@ -267,6 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "(default: the preset's; 0 = only in order)")
     parser.add_argument("--evaluate-only", action="store_true",
                         help="evaluate the models an earlier run trained into --work, without training")
+    parser.add_argument("--reuse-references", type=Path, default=None, metavar="WORK",
+                        help="take the four references from an earlier run's --work folder instead of training "
+                             "them again (their configuration must match but for the blocks' own settings)")
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="GROUP.FIELD=VALUE",
                         help="change the preset's configuration, e.g. --set model.channel=z (repeatable)")
     args = parser.parse_args(argv)
@@ -293,10 +329,13 @@ def main(argv: list[str] | None = None) -> dict:
         metrics = {f.name.removesuffix(".metrics.json"): json.loads(f.read_text())
                    for f in (work / "logs").glob("*.metrics.json")}
     else:
-        metrics = train_all(cfg, work, args.data, str(device), jobs, save_every, refresh)
+        reused = reuse_references(cfg, args.reuse_references, work) if args.reuse_references else {}
+        metrics = train_all(cfg, work, args.data, str(device), jobs, save_every, refresh, reused)
     train_s = None if args.evaluate_only else time.monotonic() - started
     curve, raw = evaluate_all(cfg, work, steps, args.data, device, p["eval_windows"], metrics)
     result = summarise(cfg, args.preset, p, curve, raw, metrics, jobs, refresh, train_s)
+    if args.reuse_references:
+        result["reused_references"] = str(args.reuse_references)  # their wall_s are that run's
     result.update(device=str(device), torch=torch.__version__, host=platform.node(),
                   total_s=time.monotonic() - started)
     out.write_text(json.dumps(result, indent=2))

@@ -3,7 +3,9 @@
 Each vector is NAME.json: {"frame": hex of the whole frame, "message": the message as JSON}, where
 bytes are {"$bin": hex} and a tensor is {"$tensor": {dtype, shape, codec, compression, values}}
 with `values` the decoded values, flattened. Encoding the message with the tensor's codec must give
-`frame` exactly; decoding `frame` must give `message`. Invalid frames go to vectors/invalid/ with the
+`frame` exactly; decoding `frame` must give `message`. The rounding vectors also give `input`, the
+float32 values before encoding (whose rounding to int8, bf16 or fp16 the frame fixes): encode
+`input`, not `values`. Invalid frames go to vectors/invalid/ with the
 error code a decoder must raise.
 """
 
@@ -37,7 +39,7 @@ def from_json(value):
     if isinstance(value, dict) and "$tensor" in value:
         t = value["$tensor"]
         dtype = getattr(torch, t["dtype"])
-        tensor = torch.tensor(t["values"], dtype=torch.float64).to(dtype).view(t["shape"])
+        tensor = torch.tensor(t.get("input", t["values"]), dtype=torch.float64).to(dtype).view(t["shape"])
         return EncodedTensor(encode_tensor(tensor, t["codec"], t["compression"]))
     if isinstance(value, dict):
         return {k: from_json(v) for k, v in value.items()}
@@ -49,7 +51,7 @@ def from_json(value):
 def with_decoded_values(message, decoded):
     """The vector's message with every tensor's values replaced by what decoding gives."""
     if isinstance(message, dict) and "$tensor" in message:
-        return {"$tensor": {**message["$tensor"], "values": decoded.reshape(-1).tolist()}}
+        return {"$tensor": {**message["$tensor"], "values": decoded.reshape(-1).tolist()}}  # "input" stays
     if isinstance(message, dict) and "$bin" not in message:
         return {k: with_decoded_values(v, decoded[k]) for k, v in message.items()}
     if isinstance(message, list):
@@ -57,13 +59,14 @@ def with_decoded_values(message, decoded):
     return message
 
 
-def tensor_json(values, shape, dtype="float32", codec="raw", compression="none"):
+def tensor_json(values, shape, dtype="float32", codec="raw", compression="none", rounded=False):
+    """A tensor of the vectors; `rounded`: `values` are the input, kept as `input` beside what decodes."""
     return {"$tensor": {"dtype": dtype, "shape": shape, "codec": codec, "compression": compression,
-                        "values": values}}
+                        "values": values, **({"input": values} if rounded else {})}}
 
 
 VALID = {
-    "hello": {"t": "hello", "id": 1, "version": 1, "swarm": "spheroid", "node": "0f" * 16,
+    "hello": {"t": "hello", "id": 1, "version": 2, "swarm": "spheroid", "node": "0f" * 16,
               "addr": "10.0.0.1:7400", "role": "worker", "blocks": [2], "nonce": {"$bin": "a5" * 16},
               "auth": True, "boot": {"$bin": "01" * 8}},
     "auth": {"t": "auth", "id": 2, "mac": {"$bin": "5c" * 32}},
@@ -88,6 +91,15 @@ VALID = {
                           "data": tensor_json([1.0, -0.5, 0.0, 0.25], [4], codec="int8")},
     "stream_chunk_lz4": {"t": "stream_chunk", "id": 17, "stream": 4, "seq": 0,
                          "data": tensor_json([0.0] * 256, [256], compression="lz4")},
+    # rounding: int8 ties to even (scale = 127 / 127 = 1), bf16 and fp16 to nearest, ties to even
+    "int8_rounding": {"t": "stream_chunk", "id": 33, "stream": 3, "seq": 1, "data": tensor_json(
+        [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.6, -127.0], [8], codec="int8", rounded=True)},
+    "int8_zero_block": {"t": "stream_chunk", "id": 34, "stream": 3, "seq": 2, "data": tensor_json(
+        [0.0, 0.0, 0.0], [3], codec="int8", rounded=True)},
+    "bf16_rounding": {"t": "stream_chunk", "id": 35, "stream": 2, "seq": 1, "data": tensor_json(
+        [1.00390625, 1.01171875, 1.0039072036743164, -1.00390625], [4], codec="bf16", rounded=True)},
+    "fp16_rounding": {"t": "stream_chunk", "id": 36, "stream": 2, "seq": 2, "data": tensor_json(
+        [1.00048828125, 1.00146484375, 1.0004884004592896, 2049.0], [4], codec="fp16", rounded=True)},
     "tensor_int64": {"t": "status_reply", "id": 18, "re": 5,
                      "status": {"counts": tensor_json([1, 2, 3], [3], "int64")}},
     "probe": {"t": "probe", "id": 19, "streams": [1, 2]},

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from .conftest import run_bench
+from .conftest import ROOT, run_bench
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +92,14 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "spheroid", "train", "--block", "0", "--data", str(tmp_path / "x")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_reused_references_must_match_what_they_are_compared_with(bench_run, data_dir):
+    """--reuse-references takes an earlier run's references only if their training matches."""
+    tmp, _, _ = bench_run
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quality.py"), "--preset", "ci",
+                           "--work", str(tmp / "again"), "--out", str(tmp / "again.json"), "--data", str(data_dir),
+                           "--device", "cpu",
+                           "--reuse-references", str(tmp / "work"), "--set", "model.d_model=48"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "trained with another configuration" in proc.stderr

@@ -160,6 +160,8 @@ def test_a_hung_middle_hop_is_routed_around(servers):
     ({"n_bytes": 10**7}, "bytes to generate"),
     ({"k": 999}, "k must be"),
     ({"route": [["nobody", "127.0.0.1:1", 0, 1]]}, "route covers blocks 0..1"),
+    ({"seed": 1 << 63}, "seed must be at most"),
+    ({"temperature": float("nan")}, "finite temperature"),
 ])
 def test_bad_requests_get_a_clear_error_and_the_nodes_keep_serving(servers, request_fields, code):
     head, _, _ = pipeline(servers, "--hop-timeout", "2")

@@ -15,6 +15,7 @@ from spheroid.wire import (
     Decoder,
     ProtocolError,
     StreamAssembler,
+    decode_body,
     decode_tensor,
     encode,
     encode_tensor,
@@ -200,3 +201,15 @@ def test_encoder_refuses_what_cannot_travel():
         encode({"t": "ping", "id": 1, "ts": object()})
     with pytest.raises(ValueError, match="frame limit"):
         encode({"t": "status_reply", "id": 1, "status": {"x": b"\x00" * (5 << 20)}})
+
+
+def test_nesting_limit_is_the_one_the_spec_states():
+    """PROTOCOL.md, section 1: 1,024 nested containers, the message's own map included."""
+    def body(containers: int) -> bytes:  # the map {t, id, ts, x}, x nested arrays around a 0
+        return b"\x84\xa1t\xa4ping\xa2id\x01\xa2ts\x01\xa1x" + b"\x91" * (containers - 1) + b"\x00"
+
+    assert decode_body(body(1024))["t"] == "ping"
+    with pytest.raises(ProtocolError) as err:
+        decode_body(body(1025))
+    assert err.value.code == "too_deep"
+

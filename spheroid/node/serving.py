@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -50,6 +51,12 @@ log = logging.getLogger(__name__)
 MAX_PROMPT = 1 << 16  # bytes of prompt a request may carry
 MAX_GENERATE = 1 << 16  # bytes one request may ask for
 MAX_TEXT = 1 << 20  # bytes of text one score request may carry
+MAX_SEED = (1 << 63) - 1  # seeds are torch generator seeds: signed 64-bit
+
+
+def check_seed(msg: dict) -> None:
+    if msg["seed"] > MAX_SEED:
+        raise ValueError(f"seed must be at most 2^63 - 1, got {msg['seed']}")
 
 
 class HopFailed(Exception):
@@ -343,9 +350,11 @@ class PipelineServer(ABC):
         return done
 
     def _check_generate(self, msg: dict) -> None:
-        if len(msg["prompt"]) > MAX_PROMPT or not 0 < msg["n_bytes"] <= MAX_GENERATE or msg["temperature"] < 0:
+        check_seed(msg)
+        if (len(msg["prompt"]) > MAX_PROMPT or not 0 < msg["n_bytes"] <= MAX_GENERATE
+                or not math.isfinite(msg["temperature"]) or msg["temperature"] < 0):
             raise ValueError(f"prompt up to {MAX_PROMPT} bytes, 1 to {MAX_GENERATE} bytes to generate and "
-                             f"temperature >= 0")
+                             f"a finite temperature >= 0")
 
     def _incoming(self, z: torch.Tensor | None, n: int) -> torch.Tensor:
         """The tensor the previous hop sent: finite float32 (1, n, d_model), or ValueError."""
@@ -416,6 +425,7 @@ class BlockServer(PipelineServer):
 
     async def _score(self, conn: Connection, msg: dict) -> None:
         text, context = msg["text"], self.cfg.model.context
+        check_seed(msg)
         if not context + 1 <= len(text) <= MAX_TEXT:
             raise ValueError(f"text must be {context + 1} to {MAX_TEXT} bytes")
         if not 1 <= msg["chunk"] <= context:
