@@ -146,3 +146,20 @@ def test_send_checks_the_schema():
     d.receive_data(a.data_to_send())
     with pytest.raises(ValueError, match="invalid message"):
         d.send({"t": "ping", "ts": "now"})
+
+
+def test_a_message_naming_a_stream_arrives_with_its_tensor():
+    import torch
+
+    from spheroid.wire import stream_frames
+
+    d, a = pair(None, None)
+    a.receive_data(d.data_to_send())
+    d.receive_data(a.data_to_send())
+    delta = torch.arange(10.0)
+    data = b"".join(out.frame for out in stream_frames(delta, 4, d.next_id, chunk_bytes=16))
+    data += d.send({"t": "update", "block": 0, "round": 1, "base": "ab" * 32, "samples": 8, "stream": 4})
+    [message] = [e.message for e in a.receive_data(data) if isinstance(e, Message)]
+    assert torch.equal(message["tensor"], delta) and a.streams.held == 0
+    with pytest.raises(ProtocolError, match="not complete"):  # a stream is handed over once
+        a.receive_data(d.send({"t": "probe", "streams": [4]}))

@@ -132,7 +132,7 @@ async def request_state(conn: Connection, block: int, n_params: int | None = Non
     ValueError if the reply does not add up; PeerGone if the peer cannot or will not send it.
     """
     reply = await conn.request({"t": "state_get", "block": block})
-    flat = conn.streams.take(reply["stream"])
+    flat = reply["tensor"]
     run_cfg = RunConfig.from_dict(reply["config"])
     if n_params is None:
         n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data).parameters())

@@ -40,7 +40,6 @@ class Connection:
         self.traffic = traffic
         self.timeout = timeout
         self.session = session
-        self.streams = session.streams
         self.label = "?"  # the peer's node id once the handshake is done
         peer = writer.get_extra_info("peername") or ("?", 0)
         self.host = str(peer[0])
@@ -194,7 +193,7 @@ class Connection:
         if self.closed:
             return
         self.closed = True
-        self.streams.clear()
+        self.session.streams.clear()
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(PeerGone(f"connection to {self.label} closed"))

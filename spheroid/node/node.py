@@ -320,13 +320,8 @@ class Node:
         elif kind == "status":
             await conn.send({"t": "status_reply", "re": msg["id"], "status": self.status()})
         elif kind == "probe":
-            elements = nbytes = 0
-            for stream in msg["streams"]:
-                if not isinstance(stream, int):
-                    raise ProtocolError("bad_field", "probe: streams must be stream ids")
-                tensor = conn.streams.take(stream)
-                elements += tensor.numel()
-                nbytes += tensor.numel() * tensor.element_size()
+            elements = sum(t.numel() for t in msg["tensors"])
+            nbytes = sum(t.numel() * t.element_size() for t in msg["tensors"])
             await conn.send({"t": "probe_reply", "re": msg["id"], "elements": elements, "bytes": nbytes})
         elif kind in self.handlers:
             await self.handlers[kind](conn, msg)

@@ -292,8 +292,7 @@ class PipelineServer(ABC):
             await (await self._connection(coordinator)).send(msg)
 
     async def on_hop(self, conn: Connection, msg: dict) -> None:
-        z = conn.streams.take(msg["z"]) if "z" in msg else None
-        self.node.spawn(self._run_hop(msg, z))
+        self.node.spawn(self._run_hop(msg, msg.get("tensor")))
 
     async def _run_hop(self, msg: dict, z: torch.Tensor | None) -> None:
         try:

@@ -264,7 +264,7 @@ class BlockWorker:
                                  "synced": self.synced})
 
     async def on_update(self, conn: Connection, msg: dict) -> None:
-        delta = conn.streams.take(msg["stream"])
+        delta = msg["tensor"]
         if msg["block"] != self.block:
             log.warning("update from %s is for block %d; this node trains block %d", conn.label[:8], msg["block"],
                         self.block)

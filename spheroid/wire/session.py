@@ -4,7 +4,8 @@ In the manner of h11's `Connection`: nothing here touches a socket. The layer ar
 `data_to_send()` to the peer, feeds what it reads to `receive_data()` and acts on the events that
 come back. The session runs the handshake (hellos, then proofs when the swarm has a secret),
 refuses anything else before it is done, checks every message it sends against the schema,
-and reassembles tensor streams within a budget shared by the whole process.
+reassembles tensor streams within a budget shared by the whole process, and hands each message
+that names streams over with their tensors attached.
 
 The handshake of version 2 (proto/PROTOCOL.md, section 6) binds each side's proof to the exact
 bytes of both hellos (so both nonces and both node ids), to the side that makes it (dialler or
@@ -28,6 +29,9 @@ from .errors import ProtocolError
 from .messages import VERSION, validate
 from .streams import Budget, StreamAssembler
 
+# messages that name streams which arrived before them: field -> the tensors the session attaches
+# under "tensor" ("tensors" for a list of streams), taking them out of the stream budget
+STREAM_FIELDS = {"update": "stream", "state_reply": "stream", "hop": "z", "probe": "streams"}
 NODE_ID = re.compile(r"[0-9a-f]{32}")  # a node id: 32 lowercase hex digits
 HANDSHAKE_MAX_FRAME = 64 << 10  # a peer that has not finished the handshake cannot make us buffer more
 NONCE_BYTES = 16
@@ -247,4 +251,11 @@ class Session:
             return [Frame(kind, size, data.numel() * data.element_size())]
         if kind in ("hello", "auth"):
             raise ProtocolError("unexpected", f"{kind} after the handshake")
+        named = message.get(STREAM_FIELDS.get(kind, ""))
+        if isinstance(named, list):
+            if not all(isinstance(i, int) and not isinstance(i, bool) for i in named):
+                raise ProtocolError("bad_field", f"{kind}: {STREAM_FIELDS[kind]} must be stream ids")
+            message["tensors"] = [self.streams.take(i) for i in named]
+        elif named is not None:
+            message["tensor"] = self.streams.take(named)
         return [Message(message, size)]
