@@ -196,8 +196,8 @@ class NodeConfig:
     status_interval: float = 5.0
     timeout: float = 10.0  # every wait for a peer: connect, drain, reply
     handshake_timeout: float = 10.0  # a connection must finish its handshake within this
-    max_unauthenticated: int = 64  # connections in their handshake at once, in all
-    max_unauthenticated_per_host: int = 8  # ... and from one source address
+    max_unauthenticated: int = 128  # connections in their handshake at once, in all
+    max_unauthenticated_per_host: int = 32  # ... and from one source address
     max_peers: int = 64  # connections it dials
     max_known: int = 10_000  # entries of the known-peers table (random eviction when full)
     recv_budget: int = 384 << 20  # bytes of incoming tensor streams the node holds, all connections together

@@ -258,3 +258,21 @@ def test_gossip_survives_a_peer_that_advertises_garbage(tmp_path):
 
     status = asyncio.run(scenario())
     assert [p["node"] for p in status["peers"]] == ["ab" * 16] and status["known"] == 1
+
+
+def test_a_quiet_client_that_answers_pings_is_never_cut_off(node):
+    """The keepalive rule (PROTOCOL.md, section 5): a client that sends nothing of its own for longer
+    than the node's 8 s silence limit, as while waiting on a long generate, stays connected because
+    it answers the node's pings."""
+    from spheroid.node.client import connect
+
+    async def scenario() -> dict:
+        conn = await connect(node.addr, NodeConfig(role="client", timeout=5))
+        try:
+            await asyncio.sleep(12)
+            assert not conn.closed
+            return await conn.request({"t": "status"})
+        finally:
+            await conn.close()
+
+    assert asyncio.run(scenario())["status"]["node"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from ..config import NodeConfig, RunConfig, parse_addr
 from ..model import DiffusionBlock
 from ..wire import ProtocolError
 from .accounting import Traffic
-from .connection import Connection, PeerGone, PeerSilent
+from .connection import Connection, PeerGone, PeerRefused, PeerSilent
 from .node import open_session, ssl_contexts
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,21 @@ async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None, handl
     """An authenticated connection to the node at addr, reading replies in the background.
 
     cfg supplies the swarm, the timeout and the TLS files; the client takes a fresh id each time.
-    Messages that answer no pending request go to `handler` (ignored without one).
+    Messages that answer no pending request go to `handler` (ignored without one). A node that is
+    `busy` (too many connections in their handshake) is asked again, backing off, for cfg.timeout.
     """
+    deadline, wait = time.monotonic() + cfg.timeout, 0.05
+    while True:
+        try:
+            return await _connect_once(addr, cfg, secret, handler)
+        except PeerRefused as exc:
+            if exc.code != "busy" or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(wait * random.uniform(0.5, 1.5))
+        wait = min(2.0, 2 * wait)
+
+
+async def _connect_once(addr: str, cfg: NodeConfig, secret: bytes | None, handler) -> Connection:
     host, port = parse_addr(addr)
     _, client_ssl = ssl_contexts(cfg)
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=client_ssl), cfg.timeout)

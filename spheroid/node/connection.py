@@ -33,6 +33,14 @@ class PeerSilent(PeerGone):
     """The peer sent nothing within the timeout."""
 
 
+class PeerRefused(PeerGone):
+    """The peer refused the handshake with an error `code` (`busy`: try again later)."""
+
+    def __init__(self, code: str, text: str) -> None:
+        super().__init__(text)
+        self.code = code
+
+
 class Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, traffic: Traffic,
                  session: Session, timeout: float = 10.0) -> None:
@@ -60,7 +68,7 @@ class Connection:
         while not self.hello:
             for event in await self._events(self.timeout):
                 if isinstance(event, Refused):
-                    raise PeerGone(f"{self.remote} refused us: {event.code}: {event.text}")
+                    raise PeerRefused(event.code, f"{self.remote} refused us: {event.code}: {event.text}")
                 if isinstance(event, Opened):
                     self.hello, self.label = event.hello, event.hello["node"]
                 self._count(event)

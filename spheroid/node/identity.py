@@ -10,10 +10,10 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import re
 from pathlib import Path
 
 from ..checkpoint import atomic_write
+from ..wire.session import is_node_id
 
 
 class IdentityError(Exception):
@@ -49,7 +49,7 @@ def load_or_create(path: str | os.PathLike) -> Identity:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise IdentityError(f"identity file {path} is unreadable ({exc}); move it away to make a new one") \
                     from None
-            if not isinstance(node_id, str) or not re.fullmatch(r"[0-9a-f]{32}", node_id):
+            if not is_node_id(node_id):
                 raise IdentityError(f"identity file {path} holds no valid node id")
         else:
             node_id = os.urandom(16).hex()

@@ -123,7 +123,9 @@ class Node:
         self._ssl_server, self._ssl_client = ssl_contexts(cfg)
         self.state_file = Path(f"{cfg.identity}.peers.json")
         # what a node does besides membership (training, serving) plugs in here
-        self.handlers: dict[str, Callable[[Connection, dict], Awaitable[None]]] = {}  # by message type
+        self.handlers: dict[str, Callable[[Connection, dict], Awaitable[None]]] = {  # by message type
+            "ping": self._on_ping, "pong": self._on_pong, "peers": self._on_peers, "status": self._on_status,
+            "probe": self._on_probe, "bye": self._on_bye, "error": self._on_error}
         self.peer_hooks: list[Callable[[Connection], Awaitable[None]]] = []  # run when a peer registers
         self.status_parts: dict[str, Callable[[], dict]] = {}  # extra sections of status()
         self.line_parts: list[Callable[[], str]] = []  # extra fields of the status line
@@ -305,32 +307,40 @@ class Node:
     # --- messages ---------------------------------------------------------------------------------
 
     async def _handle(self, conn: Connection, msg: dict) -> None:
-        kind = msg["t"]
-        if kind == "ping":
-            await conn.send({"t": "pong", "re": msg["id"], "ts": msg["ts"]})
-        elif kind == "pong":
-            info = self.known.get(conn.label)
-            if info:
-                info.rtt_ms = (time.monotonic() - msg["ts"]) * 1000
-                info.last_seen = time.monotonic()
-        elif kind == "peers":  # a random sample of the peers it is connected to
-            entries = [self.known[n].entry() for n in self.conns if n in self.known]
-            entries = random.sample(entries, min(len(entries), MAX_PEER_ENTRIES))
-            await conn.send({"t": "peers_reply", "re": msg["id"], "peers": entries})
-        elif kind == "status":
-            await conn.send({"t": "status_reply", "re": msg["id"], "status": self.status()})
-        elif kind == "probe":
-            elements = sum(t.numel() for t in msg["tensors"])
-            nbytes = sum(t.numel() * t.element_size() for t in msg["tensors"])
-            await conn.send({"t": "probe_reply", "re": msg["id"], "elements": elements, "bytes": nbytes})
-        elif kind in self.handlers:
-            await self.handlers[kind](conn, msg)
-        elif kind == "bye":
-            raise PeerGone(f"{conn.label[:8]} said goodbye ({msg['reason']})")
-        elif kind == "error":
-            raise PeerGone(f"{conn.label[:8]} reported {msg['code']}: {msg['message']}")
-        else:
-            raise ProtocolError("unexpected", f"a node does not accept {kind} here")
+        """Route a message by its type to the one handler registered for it."""
+        handler = self.handlers.get(msg["t"])
+        if handler is None:
+            raise ProtocolError("unexpected", f"a node does not accept {msg['t']} here")
+        await handler(conn, msg)
+
+    async def _on_ping(self, conn: Connection, msg: dict) -> None:
+        await conn.send({"t": "pong", "re": msg["id"], "ts": msg["ts"]})
+
+    async def _on_pong(self, conn: Connection, msg: dict) -> None:
+        info = self.known.get(conn.label)
+        if info:
+            info.rtt_ms = (time.monotonic() - msg["ts"]) * 1000
+            info.last_seen = time.monotonic()
+
+    async def _on_peers(self, conn: Connection, msg: dict) -> None:
+        """A random sample of the peers it is connected to."""
+        entries = [self.known[n].entry() for n in self.conns if n in self.known]
+        entries = random.sample(entries, min(len(entries), MAX_PEER_ENTRIES))
+        await conn.send({"t": "peers_reply", "re": msg["id"], "peers": entries})
+
+    async def _on_status(self, conn: Connection, msg: dict) -> None:
+        await conn.send({"t": "status_reply", "re": msg["id"], "status": self.status()})
+
+    async def _on_probe(self, conn: Connection, msg: dict) -> None:
+        elements = sum(t.numel() for t in msg["tensors"])
+        nbytes = sum(t.numel() * t.element_size() for t in msg["tensors"])
+        await conn.send({"t": "probe_reply", "re": msg["id"], "elements": elements, "bytes": nbytes})
+
+    async def _on_bye(self, conn: Connection, msg: dict) -> None:
+        raise PeerGone(f"{conn.label[:8]} said goodbye ({msg['reason']})")
+
+    async def _on_error(self, conn: Connection, msg: dict) -> None:
+        raise PeerGone(f"{conn.label[:8]} reported {msg['code']}: {msg['message']}")
 
     # --- loops ------------------------------------------------------------------------------------
 
