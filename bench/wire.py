@@ -31,6 +31,7 @@ from spheroid.model import DiffusionBlock, make_codebook
 from spheroid.node.client import connect
 from spheroid.train import block_loss, make_optimizer, train_step
 from spheroid.wire import decode_tensor, encode_tensor
+from spheroid.wire.messages import Probe
 
 log = logging.getLogger("bench.wire")
 CODECS = [(c, z) for c in ("raw", "fp16", "bf16", "int8") for z in ("none", "lz4")]
@@ -101,9 +102,9 @@ async def transfer(tensor: torch.Tensor, repeats: int) -> dict:
 
             t0 = time.perf_counter()
             stream = await conn.send_tensor(tensor)
-            reply = await conn.request({"t": "probe", "streams": [stream]}, timeout=120)
+            reply = await conn.request(Probe(streams=[stream]), timeout=120)
             proto_times.append(time.perf_counter() - t0)
-            assert reply["bytes"] == len(payload)
+            assert reply.bytes == len(payload)
         wire_bytes = conn.traffic.totals()["sent"]["wire_bytes"] / repeats
         writer.close()
         await conn.close()

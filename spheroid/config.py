@@ -42,7 +42,8 @@ class ModelConfig:
     channel: str = "relay"
     # with the relay channel, the weight of a next-byte loss on each relayed clean stream (every block
     # but the last), read off by a head of its own: without it nothing trains what a block hands on
-    # when its last layer's clean-stream output feeds no query of its own (docs/compose.md)
+    # when its last layer's clean-stream output feeds no query of its own (docs/compose.md); ignored
+    # with channel "z"
     relay_loss: float = 0.0
     # the end-to-end reference's layout: "plain" (a causal transformer) or "two_stream" (the blocks'
     # clean stream plus one query token per position, nothing noisy); ignored by blocks
@@ -63,8 +64,8 @@ class ModelConfig:
             raise ValueError(f"channel must be 'relay' or 'z', got {self.channel!r}")
         if self.channel == "relay" and self.layout == "merged" and self.n_blocks > 1:
             raise ValueError("the merged layout has no clean stream to relay: use channel 'z' with it")
-        if self.relay_loss < 0 or (self.relay_loss and self.channel != "relay"):
-            raise ValueError(f"relay_loss must be >= 0, and needs channel 'relay', got {self.relay_loss}")
+        if self.relay_loss < 0:
+            raise ValueError(f"relay_loss must be >= 0, got {self.relay_loss}")
         if self.reference_layout not in ("plain", "two_stream"):
             raise ValueError(f"reference_layout must be 'plain' or 'two_stream', got {self.reference_layout!r}")
         if self.n_blocks < 1 or self.layers_per_block < 1:

@@ -300,7 +300,7 @@ class DiffusionBlock(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab)
         # the relay loss's head: reads next-byte logits off the clean stream this block hands on
         self.relay_head = (nn.Sequential(nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab))
-                           if cfg.relay_loss and index < cfg.n_blocks - 1 else None)
+                           if cfg.channel == "relay" and cfg.relay_loss and index < cfg.n_blocks - 1 else None)
         init_weights(self)
         for layer in self.net.layers:  # AdaLN-Zero: every layer starts as the identity
             nn.init.zeros_(layer.ada.weight)

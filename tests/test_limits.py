@@ -15,6 +15,7 @@ from spheroid.node.connection import Connection
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node, QuietLog, open_session
 from spheroid.wire import encode, stream_frames
+from spheroid.wire.messages import Message, Peers, PeersReply
 
 from .nodes import NodeProcess, RawPeer, free_port, hello, wait_until
 
@@ -142,14 +143,14 @@ def test_a_peer_list_flood_keeps_the_table_bounded_and_real_peers_reachable(tmp_
         liar = await member(cfg, "ab" * 16)
         rounds = iter(range(1 << 30))
 
-        async def answer(conn: Connection, msg: dict) -> None:
-            if msg["t"] == "peers":
+        async def answer(conn: Connection, msg: Message) -> None:
+            if isinstance(msg, Peers):
                 r = next(rounds)
                 fakes = [{"node": os.urandom(16).hex(), "addr": "127.0.0.1:1", "role": "worker", "blocks": []}
                          for _ in range(64)]
                 if r == 2:
                     fakes[-1] = {"node": real.id, "addr": real_cfg.listen, "role": "worker", "blocks": []}
-                await conn.send({"t": "peers_reply", "re": msg["id"], "peers": fakes})
+                await conn.send(PeersReply(re=msg.id, peers=fakes))
 
         serving = asyncio.create_task(liar.serve(answer, 60))
         await asyncio.sleep(0.2)
@@ -162,10 +163,10 @@ def test_a_peer_list_flood_keeps_the_table_bounded_and_real_peers_reachable(tmp_
         known, reached = len(node.known), real.id in node.conns
         flooder = await member(cfg, "cd" * 16)
 
-        async def flood(conn: Connection, msg: dict) -> None:
-            if msg["t"] == "peers":
+        async def flood(conn: Connection, msg: Message) -> None:
+            if isinstance(msg, Peers):
                 entry = {"node": "ef" * 16, "addr": "127.0.0.1:1", "role": "worker", "blocks": []}
-                await conn.send({"t": "peers_reply", "re": msg["id"], "peers": [entry] * 40_000})
+                await conn.send(PeersReply(re=msg.id, peers=[entry] * 40_000))
 
         flooding = asyncio.create_task(flooder.serve(flood, 60))
         await asyncio.sleep(0.2)

@@ -384,3 +384,38 @@ def test_blocks_trained_all_at_once_read_genesis_states_then_published_snapshots
         "sha256": checkpoint.load(tmp_path, "block-0").sha256, "step": 3}
     train_block(cfg, 3, data, tmp_path, torch.device("cpu"))
     load_chain(tmp_path, torch.device("cpu"))  # later snapshots of the blocks it read are fine
+
+
+def test_the_relay_loss_trains_what_a_block_hands_on(tiny):
+    """With relay_loss, every relayed block (not the last, not with channel z) has a head on its clean
+    stream whose next-byte CE joins its loss, and the gradient reaches it; the reported CE stays the
+    denoiser's. The relay head is causal: its logits at p depend on bytes up to p only."""
+    cfg = with_model(tiny, relay_loss=1.0)
+    blocks = [randomize(DiffusionBlock(cfg.model, 0.5, index=b)) for b in range(4)]
+    assert [b.relay_head is not None for b in blocks] == [True, True, True, False]
+    assert DiffusionBlock(with_model(tiny, relay_loss=1.0, channel="z").model, 0.5, index=0).relay_head is None
+    codebook = make_codebook(cfg.model)
+    windows = torch.randint(0, 256, (4, cfg.model.context + 1), generator=torch.Generator().manual_seed(1))
+    plain = with_model(tiny, relay_loss=0.0)
+    torch.manual_seed(0)
+    with_relay, ce = block_loss(blocks[1], cfg, 1, codebook, blocks[:1])(windows, torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    without, ce_plain = block_loss(blocks[1], plain, 1, codebook, blocks[:1])(windows, torch.Generator().manual_seed(2))
+    assert ce == pytest.approx(ce_plain) and with_relay > without
+    with_relay.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in blocks[1].relay_head.parameters())
+    stream = CleanStream(1)
+    x = windows[:1, :-1]
+    blocks[0].encode(x, stream)
+    changed = x.clone()
+    changed[0, 9:] = (changed[0, 9:] + 1) % 256
+    other = CleanStream(1)
+    blocks[0].encode(changed, other)
+    with torch.no_grad():
+        assert torch.equal(blocks[0].relay_logits(stream)[0, :9], blocks[0].relay_logits(other)[0, :9])
+
+
+def test_configurations_written_before_the_relay_loss_load_without_it(tiny):
+    data = tiny.to_dict()
+    del data["model"]["relay_loss"]
+    assert RunConfig.from_dict(data).model.relay_loss == 0.0

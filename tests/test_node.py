@@ -17,6 +17,7 @@ from spheroid.node.connection import Connection, PeerGone
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node
 from spheroid.wire import ProtocolError, encode
+from spheroid.wire.messages import Message, Peers, PeersReply, Status
 from spheroid.wire.session import Session
 
 from .nodes import NodeProcess, free_port, handshake_then, hello, raw_exchange, wait_until
@@ -243,9 +244,9 @@ def test_gossip_survives_a_peer_that_advertises_garbage(tmp_path):
         junk = [{"node": "cd" * 16, "addr": "not an address", "role": "worker", "blocks": []},
                 {"node": "zz", "addr": "127.0.0.1:2", "role": "worker", "blocks": []}]
 
-        async def answer(conn: Connection, msg: dict) -> None:
-            if msg["t"] == "peers":
-                await conn.send({"t": "peers_reply", "re": msg["id"], "peers": junk})
+        async def answer(conn: Connection, msg: Message) -> None:
+            if isinstance(msg, Peers):
+                await conn.send(PeersReply(re=msg.id, peers=junk))
 
         serving = asyncio.create_task(liar.serve(answer, 30))
         await asyncio.sleep(0.2)
@@ -271,8 +272,8 @@ def test_a_quiet_client_that_answers_pings_is_never_cut_off(node):
         try:
             await asyncio.sleep(12)
             assert not conn.closed
-            return await conn.request({"t": "status"})
+            return (await conn.request(Status())).status
         finally:
             await conn.close()
 
-    assert asyncio.run(scenario())["status"]["node"]
+    assert asyncio.run(scenario())["node"]

@@ -6,7 +6,8 @@ import msgpack
 import pytest
 
 from spheroid.wire import ProtocolError, encode
-from spheroid.wire.session import HANDSHAKE_MAX_FRAME, Message, Opened, Refused, Session, State
+from spheroid.wire.messages import Error, Ping, Probe, Status, Update
+from spheroid.wire.session import HANDSHAKE_MAX_FRAME, Arrived, Opened, Refused, Session, State
 
 SECRET = b"a swarm secret"
 
@@ -40,13 +41,13 @@ def test_both_sides_open_and_the_dialler_proves_first():
     d_proof = d.data_to_send()
     assert [m["t"] for m in frames(d_proof)] == ["auth"] and d.state is State.AUTH
     opened = [e for e in a.receive_data(d_proof) if isinstance(e, Opened)]
-    assert opened and opened[0].hello["node"] == d.me["node"] and a.state is State.OPEN
+    assert opened and opened[0].hello.node == d.me["node"] and a.state is State.OPEN
     a_proof = a.data_to_send()
     assert [m["t"] for m in frames(a_proof)] == ["auth"]
     assert any(isinstance(e, Opened) for e in d.receive_data(a_proof)) and d.state is State.OPEN
     # then messages flow, and their ids are the session's
-    [event] = a.receive_data(d.send({"t": "status"}))
-    assert isinstance(event, Message) and event.message["t"] == "status"
+    [event] = a.receive_data(d.send(Status()))
+    assert isinstance(event, Arrived) and isinstance(event.message, Status) and event.message.id is not None
 
 
 def test_without_a_secret_the_hellos_are_the_handshake():
@@ -122,7 +123,7 @@ def test_only_hello_and_auth_before_the_handshake_and_small_frames_only():
     assert err.value.code == "too_large"
     c = Session(me(), dialler=True, swarm="s", secret=None)
     with pytest.raises(ValueError, match="while the session is hello"):
-        c.send({"t": "status"})
+        c.send(Status())
 
 
 def test_a_large_frame_right_behind_the_hello_is_read_with_the_open_limit():
@@ -130,7 +131,7 @@ def test_a_large_frame_right_behind_the_hello_is_read_with_the_open_limit():
     a.receive_data(d.data_to_send())
     big = encode({"t": "error", "id": 9, "code": "x", "message": "m" * 60_000} | {"pad": b"p" * 200_000})
     events = d.receive_data(a.data_to_send() + big)
-    assert isinstance(events[-1], Message) and events[-1].message["t"] == "error"
+    assert isinstance(events[-1], Arrived) and isinstance(events[-1].message, Error)
 
 
 def test_a_refusal_during_the_handshake_is_an_event_and_closes():
@@ -145,7 +146,7 @@ def test_send_checks_the_schema():
     d, a = pair(None, None)
     d.receive_data(a.data_to_send())
     with pytest.raises(ValueError, match="invalid message"):
-        d.send({"t": "ping", "ts": "now"})
+        d.send(Ping(ts="now"))
 
 
 def test_a_message_naming_a_stream_arrives_with_its_tensor():
@@ -158,8 +159,8 @@ def test_a_message_naming_a_stream_arrives_with_its_tensor():
     d.receive_data(a.data_to_send())
     delta = torch.arange(10.0)
     data = b"".join(out.frame for out in stream_frames(delta, 4, d.next_id, chunk_bytes=16))
-    data += d.send({"t": "update", "block": 0, "round": 1, "base": "ab" * 32, "samples": 8, "stream": 4})
-    [message] = [e.message for e in a.receive_data(data) if isinstance(e, Message)]
-    assert torch.equal(message["tensor"], delta) and a.streams.held == 0
+    data += d.send(Update(block=0, round=1, base="ab" * 32, samples=8, stream=4))
+    [message] = [e.message for e in a.receive_data(data) if isinstance(e, Arrived)]
+    assert isinstance(message, Update) and torch.equal(message.tensor, delta) and a.streams.held == 0
     with pytest.raises(ProtocolError, match="not complete"):  # a stream is handed over once
-        a.receive_data(d.send({"t": "probe", "streams": [4]}))
+        a.receive_data(d.send(Probe(streams=[4])))

@@ -10,6 +10,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torch.nn.utils import vector_to_parameters
@@ -19,6 +20,20 @@ from ..averaging import SharedState, Version
 from ..config import NodeConfig, RunConfig, parse_addr
 from ..model import DiffusionBlock
 from ..wire import ProtocolError
+from ..wire.messages import (
+    Error,
+    GenBytes,
+    GenDone,
+    Generate,
+    Message,
+    Peers,
+    Ping,
+    Pong,
+    Score,
+    ScoreReply,
+    StateGet,
+    Status,
+)
 from .accounting import Traffic
 from .connection import Connection, PeerGone, PeerRefused, PeerSilent
 from .node import open_session, ssl_contexts
@@ -69,11 +84,11 @@ async def _connect_once(addr: str, cfg: NodeConfig, secret: bytes | None, handle
         await conn.close()
         raise
 
-    async def answer(conn: Connection, msg: dict) -> None:
+    async def answer(conn: Connection, msg: Message) -> None:
         """Pings are answered (the keepalive rule: a node drops a client that stays silent); other
         messages that answer no request go to `handler`."""
-        if msg["t"] == "ping":
-            await conn.send({"t": "pong", "re": msg["id"], "ts": msg["ts"]})
+        if isinstance(msg, Ping):
+            await conn.send(Pong(re=msg.id, ts=msg.ts))
         elif handler is not None:
             await handler(conn, msg)
 
@@ -85,7 +100,7 @@ async def fetch_status(addr: str, cfg: NodeConfig, secret: bytes | None = None) 
     """The status of the node at addr, as the node reports it."""
     conn = await connect(addr, cfg, secret)
     try:
-        return (await conn.request({"t": "status"}))["status"]
+        return (await conn.request(Status())).status
     finally:
         await conn.close()
 
@@ -145,13 +160,12 @@ async def request_state(conn: Connection, block: int, n_params: int | None = Non
 
     ValueError if the reply does not add up; PeerGone if the peer cannot or will not send it.
     """
-    reply = await conn.request({"t": "state_get", "block": block})
-    flat = reply["tensor"]
-    run_cfg = RunConfig.from_dict(reply["config"])
+    reply = await conn.request(StateGet(block=block))
+    run_cfg = RunConfig.from_dict(reply.config)
     if n_params is None:
         n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data).parameters())
-    version = Version(reply["round"], reply["samples"], reply["hash"])
-    return run_cfg, SharedState.unpack(version, flat, n_params)
+    version = Version(reply.round, reply.samples, reply.hash)
+    return run_cfg, SharedState.unpack(version, reply.tensor, n_params)
 
 
 async def crawl(addr: str, cfg: NodeConfig, secret: bytes | None = None, limit: int = 256) -> dict[str, dict]:
@@ -166,8 +180,8 @@ async def crawl(addr: str, cfg: NodeConfig, secret: bytes | None = None, limit: 
         try:
             conn = await connect(here, cfg, secret)
             try:
-                members[here] = (await conn.request({"t": "status"}))["status"]
-                peers = (await conn.request({"t": "peers"}))["peers"]
+                members[here] = (await conn.request(Status())).status
+                peers = (await conn.request(Peers())).peers
             finally:
                 await conn.close()
         except (OSError, TimeoutError, PeerGone) as exc:
@@ -186,65 +200,63 @@ async def remote_generate(addr: str, cfg: NodeConfig, request: dict, on_bytes=No
                           timeout: float = 300.0) -> dict:
     """Ask the serving node at addr to generate through the pipeline; `on_bytes` gets bytes as they come.
 
-    Returns the final gen_done message with "data" (all the bytes) added; PeerGone on an error reply.
+    `request` holds the fields of a `generate` message. Returns the final gen_done message's fields
+    with "data" (all the bytes) added; PeerGone on an error reply.
     """
-    message = {"t": "generate", **request}  # its id is set once connected
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
     chunks: list[bytes] = []
 
-    async def handle(_conn: Connection, msg: dict) -> None:
-        if msg.get("re") != message.get("id") or done.done():
-            return
-        if msg["t"] == "gen_bytes":
-            chunks.append(msg["data"])
+    def on_message(msg: Message, done: asyncio.Future) -> None:
+        if isinstance(msg, GenBytes):
+            chunks.append(msg.data)
             if on_bytes is not None:
-                on_bytes(msg["data"])
-        elif msg["t"] == "gen_done":
-            done.set_result(msg)
-        elif msg["t"] == "error":
-            done.set_exception(PeerGone(f"{addr} answered {msg['code']}: {msg['message']}"))
+                on_bytes(msg.data)
+        elif isinstance(msg, GenDone):
+            done.set_result({**msg.to_wire(), "data": b"".join(chunks)})
 
-    return await _streamed(addr, cfg, secret, message, handle, done, timeout,
-                           lambda result: {**result, "data": b"".join(chunks)})
+    return await _streamed(addr, cfg, secret, Generate(**request), on_message, timeout)
 
 
 async def remote_score(addr: str, cfg: NodeConfig, request: dict, secret: bytes | None = None,
                        timeout: float = 600.0) -> dict:
-    """CE of a text through the pipeline that the serving node at addr coordinates: its score_reply."""
-    message = {"t": "score", **request}
+    """CE of a text through the pipeline that the serving node at addr coordinates: its score_reply's fields."""
+
+    def on_message(msg: Message, done: asyncio.Future) -> None:
+        if isinstance(msg, ScoreReply):
+            done.set_result(msg.to_wire())
+
+    return await _streamed(addr, cfg, secret, Score(**request), on_message, timeout)
+
+
+async def _streamed(addr: str, cfg: NodeConfig, secret: bytes | None, message: Message,
+                    on_message: Callable[[Message, asyncio.Future], None], timeout: float) -> dict:
+    """Send a request whose answer comes as several messages, each given to `on_message` until it
+    sets the result; an error reply fails it. Pings meanwhile, so the node knows we are here."""
     done: asyncio.Future = asyncio.get_running_loop().create_future()
 
-    async def handle(_conn: Connection, msg: dict) -> None:
-        if msg.get("re") == message.get("id") and not done.done():
-            if msg["t"] == "error":
-                done.set_exception(PeerGone(f"{addr} answered {msg['code']}: {msg['message']}"))
-            else:
-                done.set_result(msg)
+    async def route(_conn: Connection, msg: Message) -> None:
+        if msg.re is None or msg.re != message.id or done.done():
+            return
+        if isinstance(msg, Error):
+            done.set_exception(PeerGone(f"{addr} answered {msg.code}: {msg.message}"))
+        else:
+            on_message(msg, done)
 
-    return await _streamed(addr, cfg, secret, message, handle, done, timeout, lambda r: r)
-
-
-async def _streamed(addr, cfg, secret, message, handle, done, timeout, finish) -> dict:
-    """Send a request whose answer comes as several messages; ping meanwhile, so the node knows we are here."""
-    conn = await connect(addr, cfg, secret, handle)
+    conn = await connect(addr, cfg, secret, route)
 
     async def keep_alive() -> None:
         while True:
             await asyncio.sleep(cfg.ping_interval)
-            await conn.send({"t": "ping", "ts": time.monotonic()})
+            await conn.send(Ping(ts=time.monotonic()))
 
     pinger = asyncio.ensure_future(keep_alive())
     try:
-        message["id"] = conn.next_id()
+        message = message.replace(id=conn.next_id())
         await conn.send(message)
-        waiter = asyncio.ensure_future(done)
         closed = conn.reader_task
-        finished, _ = await asyncio.wait({waiter, closed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if waiter not in finished:
-            waiter.cancel()
+        finished, _ = await asyncio.wait({done, closed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if done not in finished:
             raise PeerGone(f"{addr} closed the connection" if closed in finished else f"no answer within {timeout}s")
-        return finish(waiter.result())
+        return done.result()
     finally:
         pinger.cancel()
         await conn.close()

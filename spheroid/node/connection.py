@@ -17,12 +17,13 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from ..wire import ProtocolError, stream_frames
-from ..wire.session import Frame, Message, Opened, Refused, Session
+from ..wire.messages import Error, Hello, Message
+from ..wire.session import Arrived, Frame, Opened, Refused, Session
 from .accounting import Traffic
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[["Connection", dict], Awaitable[None]]
+Handler = Callable[["Connection", Message], Awaitable[None]]
 
 
 class PeerGone(Exception):
@@ -52,16 +53,16 @@ class Connection:
         peer = writer.get_extra_info("peername") or ("?", 0)
         self.host = str(peer[0])
         self.remote = f"{peer[0]}:{peer[1]}"
-        self.hello: dict = {}
+        self.hello: Hello | None = None  # the peer's, once the handshake is done
         self.outbound = session.dialler  # True when this side dialled
         self.reader_task: asyncio.Task | None = None  # set when something else runs serve() for us
         self._streams = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
-        self._inbox: list[dict] = []
+        self._inbox: list[Message] = []
         self._send_lock = asyncio.Lock()
         self.closed = False
 
-    async def open(self) -> dict:
+    async def open(self) -> Hello:
         """Run the handshake; the peer's hello. ProtocolError if the peer breaks a rule (answer it with
         `refuse`), PeerGone if it refused us, went away or went silent."""
         await self._flush("hello")
@@ -70,9 +71,9 @@ class Connection:
                 if isinstance(event, Refused):
                     raise PeerRefused(event.code, f"{self.remote} refused us: {event.code}: {event.text}")
                 if isinstance(event, Opened):
-                    self.hello, self.label = event.hello, event.hello["node"]
+                    self.hello, self.label = event.hello, event.hello.node
                 self._count(event)
-                if isinstance(event, Message):  # sent right behind the handshake
+                if isinstance(event, Arrived):  # sent right behind the handshake
                     self._inbox.append(event.message)
             await self._flush("auth")
         return self.hello
@@ -82,11 +83,11 @@ class Connection:
 
     # --- sending ----------------------------------------------------------------------------------
 
-    async def send(self, message: dict) -> None:
-        """Send one message (an id is assigned if it has none)."""
+    async def send(self, message: Message) -> None:
+        """Send one message (the session assigns its id unless it has one)."""
         if self.closed:
             raise PeerGone(f"connection to {self.label} is closed")
-        await self._write(self.session.send(message), message["t"])
+        await self._write(self.session.send(message), message.t)
 
     async def _flush(self, kind: str) -> None:
         """Write what the session itself queued (its hello, its proof)."""
@@ -117,30 +118,30 @@ class Connection:
             await self._write(out.frame, out.kind, out.raw)
         return stream
 
-    async def request(self, message: dict, timeout: float | None = None) -> dict:
+    async def request(self, message: Message, timeout: float | None = None) -> Message:
         """Send a request and wait for its reply (needs `serve` running to read replies)."""
-        message["id"] = self.next_id()
+        message = message.replace(id=self.next_id())
         future = asyncio.get_running_loop().create_future()
-        self._pending[message["id"]] = future
+        self._pending[message.id] = future
         try:
             await self.send(message)
             reply = await asyncio.wait_for(future, timeout or self.timeout)
         except TimeoutError:
-            raise PeerGone(f"{self.label} did not answer {message['t']} within {timeout or self.timeout}s") from None
+            raise PeerGone(f"{self.label} did not answer {message.t} within {timeout or self.timeout}s") from None
         finally:
-            self._pending.pop(message["id"], None)
-        if reply["t"] == "error":
-            raise PeerGone(f"{self.label} answered {message['t']} with error {reply['code']}: {reply['message']}")
+            self._pending.pop(message.id, None)
+        if isinstance(reply, Error):
+            raise PeerGone(f"{self.label} answered {message.t} with error {reply.code}: {reply.message}")
         return reply
 
     # --- receiving --------------------------------------------------------------------------------
 
-    async def recv(self, timeout: float | None = None) -> dict:
+    async def recv(self, timeout: float | None = None) -> Message:
         """The next message from the peer; PeerGone on close or timeout, ProtocolError on bad input."""
         while not self._inbox:
             for event in await self._events(timeout or self.timeout):
                 self._count(event)
-                if isinstance(event, Message):
+                if isinstance(event, Arrived):
                     self._inbox.append(event.message)
         return self._inbox.pop(0)
 
@@ -161,9 +162,9 @@ class Connection:
             raise PeerGone(f"{self.label} closed the connection")
         return data
 
-    def _count(self, event: Opened | Message | Frame) -> None:
-        if isinstance(event, Message):
-            self.traffic.count("received", self.label, event.message["t"], event.size)
+    def _count(self, event: Opened | Arrived | Frame) -> None:
+        if isinstance(event, Arrived):
+            self.traffic.count("received", self.label, event.message.t, event.size)
         elif isinstance(event, Frame):
             self.traffic.count("received", self.label, event.kind, event.size, event.raw)
 
@@ -176,9 +177,8 @@ class Connection:
         try:
             while True:
                 message = await self.recv(idle_timeout)
-                reply_to = message.get("re")
-                if reply_to is not None and reply_to in self._pending:
-                    self._pending.pop(reply_to).set_result(message)
+                if message.re is not None and message.re in self._pending:
+                    self._pending.pop(message.re).set_result(message)
                 else:
                     await handler(self, message)
         except ProtocolError as exc:

@@ -30,7 +30,19 @@ from pathlib import Path
 from ..checkpoint import atomic_write
 from ..config import NodeConfig, parse_addr
 from ..wire import VERSION, ProtocolError, encode
-from ..wire.messages import MAX_PEER_ENTRIES, validate_peer
+from ..wire.messages import (
+    MAX_PEER_ENTRIES,
+    Bye,
+    Hello,
+    Message,
+    Peers,
+    PeersReply,
+    Ping,
+    Pong,
+    ProbeReply,
+    StatusReply,
+    validate_peer,
+)
 from ..wire.session import Session, is_node_id
 from ..wire.streams import Budget
 from .accounting import Traffic
@@ -123,7 +135,7 @@ class Node:
         self._ssl_server, self._ssl_client = ssl_contexts(cfg)
         self.state_file = Path(f"{cfg.identity}.peers.json")
         # what a node does besides membership (training, serving) plugs in here
-        self.handlers: dict[str, Callable[[Connection, dict], Awaitable[None]]] = {  # by message type
+        self.handlers: dict[str, Callable[[Connection, Message], Awaitable[None]]] = {  # by message type
             "ping": self._on_ping, "pong": self._on_pong, "peers": self._on_peers, "status": self._on_status,
             "probe": self._on_probe, "bye": self._on_bye, "error": self._on_error}
         self.peer_hooks: list[Callable[[Connection], Awaitable[None]]] = []  # run when a peer registers
@@ -172,7 +184,7 @@ class Node:
             task.cancel()
         for conn in list(self.conns.values()):
             with contextlib.suppress(PeerGone):
-                await conn.send({"t": "bye", "reason": "shutdown"})
+                await conn.send(Bye(reason="shutdown"))
             await conn.close()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.write_state()
@@ -232,13 +244,13 @@ class Node:
     async def _admit(self, conn: Connection, admitted: asyncio.Future | None = None) -> None:
         """Handshake (within the deadline), register, then serve the connection until it ends."""
         hello = await self._admitted_hello(conn)
-        kept = hello is not None and (hello["role"] == "client" or self._register(conn, hello))
+        kept = hello is not None and (hello.role == "client" or self._register(conn, hello))
         if admitted is not None:
             admitted.set_result(kept)
         if not kept:
             await conn.close()
             return
-        if hello["role"] == "client":
+        if hello.role == "client":
             self.traffic.relabel(conn.label, CLIENTS)
             conn.label = CLIENTS
             self.clients.add(conn)
@@ -246,9 +258,9 @@ class Node:
         self.clients.discard(conn)
         if self.conns.get(conn.label) is conn:
             del self.conns[conn.label]
-            log.info("peer %s (%s) disconnected", conn.label[:8], hello["addr"])
+            log.info("peer %s (%s) disconnected", conn.label[:8], hello.addr)
 
-    async def _admitted_hello(self, conn: Connection) -> dict | None:
+    async def _admitted_hello(self, conn: Connection) -> Hello | None:
         """The peer's hello once the handshake is through, or None (refused, failed, too slow); it
         counts as a connection in its handshake meanwhile."""
         self.unauthenticated[conn.host] += 1
@@ -266,15 +278,15 @@ class Node:
                 del self.unauthenticated[conn.host]
         return None
 
-    async def _handshake(self, conn: Connection) -> dict:
+    async def _handshake(self, conn: Connection) -> Hello:
         hello = await conn.open()
-        existing = self.conns.get(hello["node"])
-        if existing is not None and not existing.closed and existing.hello.get("addr") != hello["addr"]:
-            raise ProtocolError("duplicate_identity", f"node {hello['node'][:8]} is already connected from "
-                                                      f"{existing.hello.get('addr')}")
+        existing = self.conns.get(hello.node)
+        if existing is not None and not existing.closed and existing.hello.addr != hello.addr:
+            raise ProtocolError("duplicate_identity", f"node {hello.node[:8]} is already connected from "
+                                                      f"{existing.hello.addr}")
         return hello
 
-    def _register(self, conn: Connection, hello: dict) -> bool:
+    def _register(self, conn: Connection, hello: Hello) -> bool:
         """Make conn the connection to its peer; False if an equivalent one is kept instead.
 
         A second connection to the same peer comes from a restart (another boot id: the old one is
@@ -282,7 +294,7 @@ class Node:
         dialled by the smaller node id, so they agree without a word).
         """
         existing = self.conns.get(conn.label)
-        if existing is not None and not existing.closed and existing.hello["boot"] == hello["boot"]:
+        if existing is not None and not existing.closed and existing.hello.boot == hello.boot:
             initiator = self.id if conn.outbound else conn.label
             if initiator != min(self.id, conn.label):
                 log.debug("duplicate connection to %s; keeping the other one", conn.label[:8])
@@ -292,55 +304,55 @@ class Node:
             self.spawn(existing.close())
         info = self.known.get(conn.label)
         if info is None:
-            log.info("peer %s joined from %s (role %s, blocks %s)", conn.label[:8], hello["addr"], hello["role"],
-                     hello["blocks"])
-        self.known[conn.label] = PeerInfo(conn.label, hello["addr"], hello["role"], hello["blocks"],
-                                          list(hello.get("serves", [])), rtt_ms=info.rtt_ms if info else None)
+            log.info("peer %s joined from %s (role %s, blocks %s)", conn.label[:8], hello.addr, hello.role,
+                     hello.blocks)
+        self.known[conn.label] = PeerInfo(conn.label, hello.addr, hello.role, hello.blocks, list(hello.serves or []),
+                                          rtt_ms=info.rtt_ms if info else None)
         for hook in self.peer_hooks:
             self.spawn(hook(conn))
         return True
 
     def peers_holding(self, block: int) -> list[Connection]:
         """Open connections to members that announced `block`, in node-id order."""
-        return [c for n, c in sorted(self.conns.items()) if not c.closed and block in c.hello.get("blocks", [])]
+        return [c for n, c in sorted(self.conns.items()) if not c.closed and block in c.hello.blocks]
 
     # --- messages ---------------------------------------------------------------------------------
 
-    async def _handle(self, conn: Connection, msg: dict) -> None:
+    async def _handle(self, conn: Connection, msg: Message) -> None:
         """Route a message by its type to the one handler registered for it."""
-        handler = self.handlers.get(msg["t"])
+        handler = self.handlers.get(msg.t)
         if handler is None:
-            raise ProtocolError("unexpected", f"a node does not accept {msg['t']} here")
+            raise ProtocolError("unexpected", f"a node does not accept {msg.t} here")
         await handler(conn, msg)
 
-    async def _on_ping(self, conn: Connection, msg: dict) -> None:
-        await conn.send({"t": "pong", "re": msg["id"], "ts": msg["ts"]})
+    async def _on_ping(self, conn: Connection, msg: Message) -> None:
+        await conn.send(Pong(re=msg.id, ts=msg.ts))
 
-    async def _on_pong(self, conn: Connection, msg: dict) -> None:
+    async def _on_pong(self, conn: Connection, msg: Message) -> None:
         info = self.known.get(conn.label)
         if info:
-            info.rtt_ms = (time.monotonic() - msg["ts"]) * 1000
+            info.rtt_ms = (time.monotonic() - msg.ts) * 1000
             info.last_seen = time.monotonic()
 
-    async def _on_peers(self, conn: Connection, msg: dict) -> None:
+    async def _on_peers(self, conn: Connection, msg: Message) -> None:
         """A random sample of the peers it is connected to."""
         entries = [self.known[n].entry() for n in self.conns if n in self.known]
         entries = random.sample(entries, min(len(entries), MAX_PEER_ENTRIES))
-        await conn.send({"t": "peers_reply", "re": msg["id"], "peers": entries})
+        await conn.send(PeersReply(re=msg.id, peers=entries))
 
-    async def _on_status(self, conn: Connection, msg: dict) -> None:
-        await conn.send({"t": "status_reply", "re": msg["id"], "status": self.status()})
+    async def _on_status(self, conn: Connection, msg: Message) -> None:
+        await conn.send(StatusReply(re=msg.id, status=self.status()))
 
-    async def _on_probe(self, conn: Connection, msg: dict) -> None:
-        elements = sum(t.numel() for t in msg["tensors"])
-        nbytes = sum(t.numel() * t.element_size() for t in msg["tensors"])
-        await conn.send({"t": "probe_reply", "re": msg["id"], "elements": elements, "bytes": nbytes})
+    async def _on_probe(self, conn: Connection, msg: Message) -> None:
+        elements = sum(t.numel() for t in msg.tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in msg.tensors)
+        await conn.send(ProbeReply(re=msg.id, elements=elements, bytes=nbytes))
 
-    async def _on_bye(self, conn: Connection, msg: dict) -> None:
-        raise PeerGone(f"{conn.label[:8]} said goodbye ({msg['reason']})")
+    async def _on_bye(self, conn: Connection, msg: Message) -> None:
+        raise PeerGone(f"{conn.label[:8]} said goodbye ({msg.reason})")
 
-    async def _on_error(self, conn: Connection, msg: dict) -> None:
-        raise PeerGone(f"{conn.label[:8]} reported {msg['code']}: {msg['message']}")
+    async def _on_error(self, conn: Connection, msg: Message) -> None:
+        raise PeerGone(f"{conn.label[:8]} reported {msg.code}: {msg.message}")
 
     # --- loops ------------------------------------------------------------------------------------
 
@@ -351,7 +363,7 @@ class Node:
             await asyncio.sleep(self.cfg.ping_interval)
             for conn in [*self.conns.values(), *self.clients]:
                 with contextlib.suppress(PeerGone):
-                    await conn.send({"t": "ping", "ts": time.monotonic()})
+                    await conn.send(Ping(ts=time.monotonic()))
 
     async def _gossip_loop(self) -> None:
         while True:
@@ -387,11 +399,11 @@ class Node:
 
     async def _ask_peers(self, conn: Connection, now: float) -> None:
         try:
-            reply = await conn.request({"t": "peers"})
-            if len(reply["peers"]) > MAX_PEER_ENTRIES:
-                raise ProtocolError("bad_field", f"peers_reply lists {len(reply['peers'])} peers, more than "
+            reply = await conn.request(Peers())
+            if len(reply.peers) > MAX_PEER_ENTRIES:
+                raise ProtocolError("bad_field", f"peers_reply lists {len(reply.peers)} peers, more than "
                                                  f"{MAX_PEER_ENTRIES}")
-            for entry in reply["peers"]:
+            for entry in reply.peers:
                 self._learn(validate_peer(entry), now)
         except PeerGone as exc:
             log.debug("gossip with %s failed: %s", conn.label[:8], exc)
@@ -424,7 +436,7 @@ class Node:
     async def _seed_loop(self) -> None:
         retry = 0.25  # while alone, retry the seeds soon (they may be starting too), backing off
         while True:
-            connected = {c.hello.get("addr") for c in self.conns.values()}
+            connected = {c.hello.addr for c in self.conns.values()}
             dialled = await asyncio.gather(*(self.dial(a) for a in self.cfg.peers if a not in connected))
             if any(dialled):  # just (re)joined: learn the membership now rather than at the next gossip
                 await self.gossip_once()
@@ -442,8 +454,8 @@ class Node:
         peers = []
         for node, conn in self.conns.items():
             info = self.known.get(node)
-            peers.append({"node": node, "addr": conn.hello.get("addr"), "role": conn.hello.get("role"),
-                          "blocks": conn.hello.get("blocks"), "serves": conn.hello.get("serves", []),
+            peers.append({"node": node, "addr": conn.hello.addr, "role": conn.hello.role,
+                          "blocks": conn.hello.blocks, "serves": conn.hello.serves or [],
                           "rtt_ms": info.rtt_ms if info else None,
                           "traffic": self.traffic.totals(node)})
         return {

@@ -42,7 +42,7 @@ from ..model import CleanStream, KVCache, make_codebook
 from ..noise import sigma_grid
 from ..pipeline import Hop, NoRoute, build_route, check_route, serving_range
 from ..train import block_from, load_reference
-from ..wire import ProtocolError
+from ..wire import ProtocolError, messages
 from .connection import Connection, PeerGone
 from .node import Node
 
@@ -54,9 +54,9 @@ MAX_TEXT = 1 << 20  # bytes of text one score request may carry
 MAX_SEED = (1 << 63) - 1  # seeds are torch generator seeds: signed 64-bit
 
 
-def check_seed(msg: dict) -> None:
-    if msg["seed"] > MAX_SEED:
-        raise ValueError(f"seed must be at most 2^63 - 1, got {msg['seed']}")
+def check_seed(msg: messages.Message) -> None:
+    if msg.seed > MAX_SEED:
+        raise ValueError(f"seed must be at most 2^63 - 1, got {msg.seed}")
 
 
 class HopFailed(Exception):
@@ -161,10 +161,10 @@ class PipelineServer(ABC):
         """This node and every connected member that serves a consecutive range of blocks of this model."""
         out = [Hop(self.node.id, self.node.cfg.address, self.first, self.last, 0.0)]
         for node_id, conn in self.node.conns.items():
-            rng = serving_range(conn.hello.get("serves", []))
+            rng = serving_range(conn.hello.serves or [])
             info = self.node.known.get(node_id)
-            if rng is not None and not conn.closed and conn.hello.get("model") == self.model_id:
-                out.append(Hop(node_id, conn.hello["addr"], *rng, info.rtt_ms if info else None))
+            if rng is not None and not conn.closed and conn.hello.model == self.model_id:
+                out.append(Hop(node_id, conn.hello.addr, *rng, info.rtt_ms if info else None))
         return out
 
     def route(self, requested: list, exclude: set[str]) -> list[Hop]:
@@ -177,30 +177,30 @@ class PipelineServer(ABC):
 
     # --- coordinating ---------------------------------------------------------------------------------
 
-    async def on_generate(self, conn: Connection, msg: dict) -> None:
+    async def on_generate(self, conn: Connection, msg: messages.Message) -> None:
         self.node.spawn(self._answer(conn, msg, self._generate(conn, msg)))
 
-    async def on_score(self, conn: Connection, msg: dict) -> None:
+    async def on_score(self, conn: Connection, msg: messages.Message) -> None:
         self.node.spawn(self._answer(conn, msg, self._score(conn, msg)))
 
-    async def _answer(self, conn: Connection, msg: dict, work) -> None:
+    async def _answer(self, conn: Connection, msg: messages.Message, work) -> None:
         """Run a client request; any failure becomes one clear error reply, and the node carries on."""
         self.counters["requests"] += 1
         try:
             await work
         except PeerGone:
-            log.info("client of request %d went away", msg["id"])
+            log.info("client of request %d went away", msg.id)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the client hears it and the node goes on
             if isinstance(exc, (NoRoute, HopFailed, ValueError)):
                 code = {NoRoute: "no_route", HopFailed: "hop_failed"}.get(type(exc), "bad_request")
             else:
-                log.exception("request %d failed", msg["id"])
+                log.exception("request %d failed", msg.id)
                 code = "internal"
             with contextlib.suppress(PeerGone):
-                await conn.send({"t": "error", "re": msg["id"], "code": code, "message": str(exc)})
+                await conn.send(messages.Error(re=msg.id, code=code, message=str(exc)))
 
     async def traverse(self, traversal: int, requested: list, exclude: set[str], fields: dict,
-                       retry_fields: Callable[[], dict] | None = None) -> tuple[dict, list[Hop]]:
+                       retry_fields: Callable[[], dict] | None = None) -> tuple[messages.Message, list[Hop]]:
         """One traversal of the route; re-routed around failed nodes, at most `retries` times.
 
         `fields` (with the session) make the hop; `retry_fields` makes the hop of a retry when the
@@ -215,8 +215,8 @@ class PipelineServer(ABC):
             key = (fields["session"], traversal)
             future = asyncio.get_running_loop().create_future()
             self.waiting[key] = future
-            hop = {"t": "hop", "traversal": traversal, "route": [h.to_wire() for h in route], "at": 0,
-                   "coordinator": me, "model": self.model_id, **fields}
+            hop = messages.Hop(traversal=traversal, route=[h.to_wire() for h in route], at=0, coordinator=me,
+                               model=self.model_id, **fields)
             try:
                 await self._deliver(route[0], hop)
                 done = await asyncio.wait_for(future, self.hop_timeout)
@@ -245,7 +245,7 @@ class PipelineServer(ABC):
             if conn is None or conn.closed:
                 return False
             try:
-                await conn.request({"t": "ping", "ts": time.monotonic()}, timeout=min(2.0, self.hop_timeout))
+                await conn.request(messages.Ping(ts=time.monotonic()), timeout=min(2.0, self.hop_timeout))
             except PeerGone:
                 return False
             return True
@@ -253,15 +253,15 @@ class PipelineServer(ABC):
         answers = await asyncio.gather(*(alive(h) for h in route))
         return {h.node for h, ok in zip(route, answers, strict=True) if not ok}
 
-    async def on_hop_done(self, conn: Connection, msg: dict) -> None:
-        future = self.waiting.get((msg["session"], msg["traversal"]))
+    async def on_hop_done(self, conn: Connection, msg: messages.Message) -> None:
+        future = self.waiting.get((msg.session, msg.traversal))
         if future is not None and not future.done():
             future.set_result(msg)
 
-    async def on_hop_error(self, conn: Connection, msg: dict) -> None:
-        future = self.waiting.get((msg["session"], msg["traversal"]))
+    async def on_hop_error(self, conn: Connection, msg: messages.Message) -> None:
+        future = self.waiting.get((msg.session, msg.traversal))
         if future is not None and not future.done():
-            future.set_exception(HopFailed(msg["node"], f"hop {msg['node'][:8]}: {msg['message']}"))
+            future.set_exception(HopFailed(msg.node, f"hop {msg.node[:8]}: {msg.message}"))
 
     # --- hops ---------------------------------------------------------------------------------------
 
@@ -273,40 +273,40 @@ class PipelineServer(ABC):
             raise PeerGone(f"cannot reach {hop.node[:8]} at {hop.addr}")
         return conn
 
-    async def _deliver(self, hop: Hop, msg: dict, z: torch.Tensor | None = None) -> None:
+    async def _deliver(self, hop: Hop, msg: messages.Message, z: torch.Tensor | None = None) -> None:
         """Hand a hop message (and its tensor) to the node `hop` names; to ourselves without the network."""
-        msg = {k: v for k, v in msg.items() if k not in ("id", "z")}
+        msg = msg.replace(id=None, z=None, tensor=None)
         if hop.node == self.node.id:
             self.node.spawn(self._run_hop(msg, z))
             return
         conn = await self._connection(hop)
         if z is not None:
-            msg["z"] = await conn.send_tensor(z, "raw")
+            msg = msg.replace(z=await conn.send_tensor(z, "raw"))
         await conn.send(msg)
 
-    async def _reply(self, coordinator: Hop, msg: dict) -> None:
+    async def _reply(self, coordinator: Hop, msg: messages.Message) -> None:
         if coordinator.node == self.node.id:
-            await (self.on_hop_done if msg["t"] == "hop_done" else self.on_hop_error)(None, msg)
+            await (self.on_hop_done if isinstance(msg, messages.HopDone) else self.on_hop_error)(None, msg)
             return
         with contextlib.suppress(PeerGone):
             await (await self._connection(coordinator)).send(msg)
 
-    async def on_hop(self, conn: Connection, msg: dict) -> None:
-        self.node.spawn(self._run_hop(msg, msg.get("tensor")))
+    async def on_hop(self, conn: Connection, msg: messages.Message) -> None:
+        self.node.spawn(self._run_hop(msg, msg.tensor))
 
-    async def _run_hop(self, msg: dict, z: torch.Tensor | None) -> None:
+    async def _run_hop(self, msg: messages.Message, z: torch.Tensor | None) -> None:
         try:
-            coordinator = Hop.from_wire(msg["coordinator"])
-            route = [Hop.from_wire(h) for h in msg["route"]]
+            coordinator = Hop.from_wire(msg.coordinator)
+            route = [Hop.from_wire(h) for h in msg.route]
         except ValueError as exc:
             log.warning("hop with a malformed route dropped: %s", exc)
             return
-        failed, at = self.node.id, msg["at"]
+        failed, at = self.node.id, msg.at
         try:
             if at >= len(route) or route[at].node != self.node.id or (route[at].first, route[at].last) != (
                     self.first, self.last):
                 raise ValueError("the route names blocks this node does not serve")
-            if msg.get("model") != self.model_id:
+            if msg.model != self.model_id:
                 raise ValueError("the request is for another model than the one this node serves")
             last = at == len(route) - 1
             result = await asyncio.to_thread(self._compute, msg, z, last)
@@ -315,43 +315,40 @@ class PipelineServer(ABC):
                 await self._reply(coordinator, result)
             else:
                 failed = route[at + 1].node
-                await self._deliver(route[at + 1], {**msg, "at": at + 1}, result)
+                await self._deliver(route[at + 1], msg.replace(at=at + 1), result)
         except (ValueError, PeerGone, ProtocolError, RuntimeError) as exc:
             self.counters["failed_hops"] += 1
-            log.warning("hop of session %s failed: %s", str(msg.get("session"))[:8], exc)
-            await self._reply(coordinator, {"t": "hop_error", "session": msg["session"], "traversal": msg["traversal"],
-                                            "node": failed, "message": str(exc)})
+            log.warning("hop of session %s failed: %s", msg.session[:8], exc)
+            await self._reply(coordinator, messages.HopError(session=msg.session, traversal=msg.traversal, node=failed,
+                                                             message=str(exc)))
 
     @abstractmethod
-    def _compute(self, msg: dict, z: torch.Tensor | None, last: bool) -> dict | torch.Tensor:
+    def _compute(self, msg: messages.Message, z: torch.Tensor | None, last: bool) -> messages.Message | torch.Tensor:
         """This node's part of a traversal (in a worker thread): the tensor to pass on, or the hop_done."""
 
     @abstractmethod
-    async def _generate(self, conn: Connection, msg: dict) -> None:
+    async def _generate(self, conn: Connection, msg: messages.Message) -> None:
         """Answer a `generate` request as its coordinator: traversals, bytes streamed to the client."""
 
     @abstractmethod
-    async def _score(self, conn: Connection, msg: dict) -> None:
+    async def _score(self, conn: Connection, msg: messages.Message) -> None:
         """Answer a `score` request as its coordinator."""
 
-    def _done(self, msg: dict, logits: torch.Tensor) -> dict:
+    def _done(self, msg: messages.Message, logits: torch.Tensor) -> messages.Message:
         """hop_done from the final logits (n, V): the NLL of the targets, or the sampled bytes."""
-        done = {"t": "hop_done", "session": msg["session"], "traversal": msg["traversal"], "data": b"",
-                "nll": 0.0, "count": 0}
-        if "targets" in msg:
-            if len(msg["targets"]) != logits.shape[0]:
+        done = messages.HopDone(session=msg.session, traversal=msg.traversal, data=b"", nll=0.0, count=0)
+        if msg.targets is not None:
+            if len(msg.targets) != logits.shape[0]:
                 raise ValueError("targets must have one byte per position scored")
-            y = torch.tensor(list(msg["targets"]), dtype=torch.long)
-            done.update(nll=fn.cross_entropy(logits, y, reduction="sum").item(), count=len(msg["targets"]))
-        else:
-            _, sample_gen = traversal_generators(msg["seed"], msg["traversal"], self.device)
-            done["data"] = bytes(sample(logits, msg["temperature"], sample_gen).tolist())
-        return done
+            y = torch.tensor(list(msg.targets), dtype=torch.long)
+            return done.replace(nll=fn.cross_entropy(logits, y, reduction="sum").item(), count=len(msg.targets))
+        _, sample_gen = traversal_generators(msg.seed, msg.traversal, self.device)
+        return done.replace(data=bytes(sample(logits, msg.temperature, sample_gen).tolist()))
 
-    def _check_generate(self, msg: dict) -> None:
+    def _check_generate(self, msg: messages.Message) -> None:
         check_seed(msg)
-        if (len(msg["prompt"]) > MAX_PROMPT or not 0 < msg["n_bytes"] <= MAX_GENERATE
-                or not math.isfinite(msg["temperature"]) or msg["temperature"] < 0):
+        if (len(msg.prompt) > MAX_PROMPT or not 0 < msg.n_bytes <= MAX_GENERATE
+                or not math.isfinite(msg.temperature) or msg.temperature < 0):
             raise ValueError(f"prompt up to {MAX_PROMPT} bytes, 1 to {MAX_GENERATE} bytes to generate and "
                              f"a finite temperature >= 0")
 
@@ -362,10 +359,10 @@ class PipelineServer(ABC):
             raise ValueError(f"the tensor from the previous hop must be finite float32 (1, {n}, {d})")
         return z
 
-    def _context(self, msg: dict) -> torch.Tensor:
-        if not 1 <= len(msg["ctx"]) <= self.cfg.model.context:
-            raise ValueError(f"a context of {len(msg['ctx'])} bytes is outside the window of {self.cfg.model.context}")
-        return torch.tensor(list(msg["ctx"]), dtype=torch.long)[None, :]
+    def _context(self, msg: messages.Message) -> torch.Tensor:
+        if not 1 <= len(msg.ctx) <= self.cfg.model.context:
+            raise ValueError(f"a context of {len(msg.ctx)} bytes is outside the window of {self.cfg.model.context}")
+        return torch.tensor(list(msg.ctx), dtype=torch.long)[None, :]
 
 
 class BlockServer(PipelineServer):
@@ -398,70 +395,70 @@ class BlockServer(PipelineServer):
         self.codebook = make_codebook(cfg.model).to(self.device)
         self.grid = sigma_grid(cfg.noise, cfg.model.n_blocks)
 
-    async def _generate(self, conn: Connection, msg: dict) -> None:
+    async def _generate(self, conn: Connection, msg: messages.Message) -> None:
         context = self.cfg.model.context
-        if msg["mode"] not in ("ar", "sweep"):
-            raise ValueError(f"mode must be ar or sweep, got {msg['mode']!r}")
+        if msg.mode not in ("ar", "sweep"):
+            raise ValueError(f"mode must be ar or sweep, got {msg.mode!r}")
         self._check_generate(msg)
-        chunk = 1 if msg["mode"] == "ar" else (msg["k"] or min(msg["n_bytes"], context - 1))  # 0: as many as fit
+        chunk = 1 if msg.mode == "ar" else (msg.k or min(msg.n_bytes, context - 1))  # 0: as many as fit
         if not 1 <= chunk <= context - 1:
             raise ValueError(f"k must be in [1, {context - 1}]")
         session = os.urandom(8).hex()
-        out = bytearray(msg["prompt"] or b"\n")
+        out = bytearray(msg.prompt or b"\n")
         produced, traversal, exclude, route = 0, 0, set(), None
-        while produced < msg["n_bytes"]:
-            k = min(chunk, msg["n_bytes"] - produced)
+        while produced < msg.n_bytes:
+            k = min(chunk, msg.n_bytes - produced)
             ctx = next_window(out, k, context)
             fields = {"session": session, "ctx": ctx, "start": len(ctx) - 1, "n_noisy": k, "chunk": k,
-                      "temperature": float(msg["temperature"]), "seed": msg["seed"]}
-            done, route = await self.traverse(traversal, msg["route"], exclude, fields)
-            out.extend(done["data"])
+                      "temperature": float(msg.temperature), "seed": msg.seed}
+            done, route = await self.traverse(traversal, msg.route, exclude, fields)
+            out.extend(done.data)
             produced += k
             traversal += 1
-            await conn.send({"t": "gen_bytes", "re": msg["id"], "data": done["data"]})
-        await conn.send({"t": "gen_done", "re": msg["id"], "bytes": produced, "traversals": traversal,
-                         "route": [h.to_wire() for h in route]})
+            await conn.send(messages.GenBytes(re=msg.id, data=done.data))
+        await conn.send(messages.GenDone(re=msg.id, bytes=produced, traversals=traversal,
+                                         route=[h.to_wire() for h in route]))
 
-    async def _score(self, conn: Connection, msg: dict) -> None:
-        text, context = msg["text"], self.cfg.model.context
+    async def _score(self, conn: Connection, msg: messages.Message) -> None:
+        text, context = msg.text, self.cfg.model.context
         check_seed(msg)
         if not context + 1 <= len(text) <= MAX_TEXT:
             raise ValueError(f"text must be {context + 1} to {MAX_TEXT} bytes")
-        if not 1 <= msg["chunk"] <= context:
+        if not 1 <= msg.chunk <= context:
             raise ValueError(f"chunk must be in [1, {context}]")
         session, exclude, route = os.urandom(8).hex(), set(), None
         nll, count, windows = 0.0, 0, 0
         for i in range(0, len(text) - context, context):  # one traversal per window of context + 1 bytes
             window = text[i : i + context + 1]
             fields = {"session": session, "ctx": window[:-1], "start": 0, "n_noisy": len(window) - 1,
-                      "chunk": msg["chunk"], "temperature": 0.0, "seed": msg["seed"], "targets": window[1:]}
-            done, route = await self.traverse(windows, msg["route"], exclude, fields)
-            nll, count, windows = nll + done["nll"], count + done["count"], windows + 1
-        await conn.send({"t": "score_reply", "re": msg["id"], "nll": nll, "count": count, "windows": windows,
-                         "route": [h.to_wire() for h in route]})
+                      "chunk": msg.chunk, "temperature": 0.0, "seed": msg.seed, "targets": window[1:]}
+            done, route = await self.traverse(windows, msg.route, exclude, fields)
+            nll, count, windows = nll + done.nll, count + done.count, windows + 1
+        await conn.send(messages.ScoreReply(re=msg.id, nll=nll, count=count, windows=windows,
+                                            route=[h.to_wire() for h in route]))
 
     @torch.no_grad()
-    def _compute(self, msg: dict, z: torch.Tensor | None, last: bool) -> dict | torch.Tensor:
+    def _compute(self, msg: messages.Message, z: torch.Tensor | None, last: bool) -> messages.Message | torch.Tensor:
         """Start from noise on the first hop, run this node's Euler steps, read off on the last."""
-        n, start, d = msg["n_noisy"], msg["start"], self.cfg.model.d_model
+        n, start, d = msg.n_noisy, msg.start, self.cfg.model.d_model
         x = self._context(msg)
-        if not (1 <= n and start + n <= self.cfg.model.context and 1 <= msg["chunk"] <= n
+        if not (1 <= n and start + n <= self.cfg.model.context and 1 <= msg.chunk <= n
                 and start <= x.shape[1] - 1):
             raise ValueError(f"{n} noisy bytes from position {start} do not fit the window of {self.cfg.model.context}")
-        if msg["at"] == 0:  # the first hop starts from noise
-            noise_gen, _ = traversal_generators(msg["seed"], msg["traversal"], self.device)
+        if msg.at == 0:  # the first hop starts from noise
+            noise_gen, _ = traversal_generators(msg.seed, msg.traversal, self.device)
             z = self.grid[0].item() * gaussian((1, n, d), noise_gen, self.device)
         else:
             z = self._incoming(z, n)
-        streams = {} if "targets" in msg else self._session_streams(msg["session"], msg["ctx"])
+        streams = {} if msg.targets is not None else self._session_streams(msg.session, msg.ctx)
         spb = self.cfg.noise.steps_per_block
         steps = range(self.first * spb, (self.last + 1) * spb)
-        z = euler_steps(self.blocks, self.cfg.noise, self.grid, self.codebook, x, z, steps, None, start, msg["chunk"],
+        z = euler_steps(self.blocks, self.cfg.noise, self.grid, self.codebook, x, z, steps, None, start, msg.chunk,
                         streams)
         if not last:
             return z
         sigma_min = torch.full((1,), self.cfg.noise.sigma_min)
-        logits = self.blocks[self.last](x, z, sigma_min, start, msg["chunk"], streams.get(self.last),
+        logits = self.blocks[self.last](x, z, sigma_min, start, msg.chunk, streams.get(self.last),
                                         streams.get(self.last - 1))
         return self._done(msg, logits.float()[0])
 
@@ -501,17 +498,17 @@ class ReferenceServer(PipelineServer):
         per_block = cfg.model.layers_per_block
         self.layers = list(self.model.layers)[first * per_block : (last + 1) * per_block]
 
-    async def _generate(self, conn: Connection, msg: dict) -> None:
+    async def _generate(self, conn: Connection, msg: messages.Message) -> None:
         """Autoregressive only: one byte per traversal, the session's positions cached on every node.
 
         When the window is full the session restarts on its last half (a new session id), so
         positions stay within the model's context.
         """
         context = self.cfg.model.context
-        if msg["mode"] != "ar":
+        if msg.mode != "ar":
             raise ValueError("a reference pipeline generates in mode ar")
         self._check_generate(msg)
-        out = bytearray(msg["prompt"] or b"\n")
+        out = bytearray(msg.prompt or b"\n")
         session = {"id": "", "start": max(0, len(out) - context // 2), "sent": 0}  # start: its position 0 in out
 
         def fields(restart: bool = False) -> dict:
@@ -523,29 +520,29 @@ class ReferenceServer(PipelineServer):
                 session["id"], session["sent"] = os.urandom(8).hex(), 0
             new = bytes(out[session["start"] + session["sent"] :])
             return {"session": session["id"], "ctx": new, "start": session["sent"], "n_noisy": len(new), "chunk": 1,
-                    "temperature": float(msg["temperature"]), "seed": msg["seed"]}
+                    "temperature": float(msg.temperature), "seed": msg.seed}
 
         exclude, route = set(), None
-        for traversal in range(msg["n_bytes"]):
-            done, route = await self.traverse(traversal, msg["route"], exclude, fields(),
+        for traversal in range(msg.n_bytes):
+            done, route = await self.traverse(traversal, msg.route, exclude, fields(),
                                               lambda: fields(restart=True))
             session["sent"] = len(out) - session["start"]
-            out.extend(done["data"])
-            await conn.send({"t": "gen_bytes", "re": msg["id"], "data": done["data"]})
-        await conn.send({"t": "gen_done", "re": msg["id"], "bytes": msg["n_bytes"], "traversals": msg["n_bytes"],
-                         "route": [h.to_wire() for h in route]})
+            out.extend(done.data)
+            await conn.send(messages.GenBytes(re=msg.id, data=done.data))
+        await conn.send(messages.GenDone(re=msg.id, bytes=msg.n_bytes, traversals=msg.n_bytes,
+                                         route=[h.to_wire() for h in route]))
 
-    async def _score(self, conn: Connection, msg: dict) -> None:
+    async def _score(self, conn: Connection, msg: messages.Message) -> None:
         raise ValueError("a reference pipeline only generates; score with `spheroid eval` on its checkpoint")
 
     @torch.no_grad()
-    def _compute(self, msg: dict, z: torch.Tensor | None, last: bool) -> dict | torch.Tensor:
-        n, start = msg["n_noisy"], msg["start"]
-        caches = self.sessions.get(msg["session"], lambda: [KVCache() for _ in self.layers]).caches
+    def _compute(self, msg: messages.Message, z: torch.Tensor | None, last: bool) -> messages.Message | torch.Tensor:
+        n, start = msg.n_noisy, msg.start
+        caches = self.sessions.get(msg.session, lambda: [KVCache() for _ in self.layers]).caches
         if caches[0].k is not None and caches[0].k.shape[2] != start:
-            self.sessions.drop(msg["session"])  # out of step: the coordinator retries on a new session
-            raise ValueError(f"session {msg['session'][:8]} holds {caches[0].k.shape[2]} positions, not {start}")
-        h = self.model.embed(self._context(msg), start) if msg["at"] == 0 else self._incoming(z, n)
+            self.sessions.drop(msg.session)  # out of step: the coordinator retries on a new session
+            raise ValueError(f"session {msg.session[:8]} holds {caches[0].k.shape[2]} positions, not {start}")
+        h = self.model.embed(self._context(msg), start) if msg.at == 0 else self._incoming(z, n)
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer(h, None, None, cache)
         if not last:

@@ -38,7 +38,7 @@ from ..train import (
     optimizer_tensors,
     train_step,
 )
-from ..wire import ProtocolError, through_codec
+from ..wire import ProtocolError, messages, through_codec
 from .client import request_state
 from .connection import Connection, PeerGone
 from .node import Node
@@ -249,8 +249,8 @@ class BlockWorker:
     async def _send_update(self, conn: Connection, own: Update) -> None:
         with contextlib.suppress(PeerGone):
             stream = await conn.send_tensor(own.delta, CODECS[self.avg.codec], self.compression)
-            await conn.send({"t": "update", "block": self.block, "round": own.round, "base": own.base,
-                             "samples": own.samples, "stream": stream})
+            await conn.send(messages.Update(block=self.block, round=own.round, base=own.base, samples=own.samples,
+                                            stream=stream))
 
     async def _announce(self) -> None:
         for conn in self.node.peers_holding(self.block):
@@ -258,24 +258,23 @@ class BlockWorker:
 
     async def on_peer(self, conn: Connection) -> None:
         """Tell a same-block peer which state this node holds."""
-        if self.block in conn.hello.get("blocks", []):
+        if self.block in conn.hello.blocks:
             with contextlib.suppress(PeerGone):
-                await conn.send({"t": "version", "block": self.block, **self.replica.state.version.to_wire(),
-                                 "synced": self.synced})
+                await conn.send(messages.Version(block=self.block, **self.replica.state.version.to_wire(),
+                                                 synced=self.synced))
 
-    async def on_update(self, conn: Connection, msg: dict) -> None:
-        delta = msg["tensor"]
-        if msg["block"] != self.block:
-            log.warning("update from %s is for block %d; this node trains block %d", conn.label[:8], msg["block"],
+    async def on_update(self, conn: Connection, msg: messages.Message) -> None:
+        if msg.block != self.block:
+            log.warning("update from %s is for block %d; this node trains block %d", conn.label[:8], msg.block,
                         self.block)
             return
-        self.replica.offer(Update(conn.label, msg["round"], msg["base"], msg["samples"], delta))
+        self.replica.offer(Update(conn.label, msg.round, msg.base, msg.samples, msg.tensor))
         self.changed.set()
 
-    async def on_version(self, conn: Connection, msg: dict) -> None:
-        if msg["block"] != self.block:
+    async def on_version(self, conn: Connection, msg: messages.Message) -> None:
+        if msg.block != self.block:
             return
-        self.replica.note_version(conn.label, Version(msg["round"], msg["samples"], msg["hash"]), msg["synced"])
+        self.replica.note_version(conn.label, Version(msg.round, msg.samples, msg.hash), msg.synced)
         self.changed.set()
         if not self.fresh:
             self._settle_fetch()
@@ -317,22 +316,22 @@ class BlockWorker:
         finally:
             self.fetching = False
 
-    async def on_state_get(self, conn: Connection, msg: dict) -> None:
-        if msg["block"] != self.block:
-            await conn.send({"t": "error", "re": msg["id"], "code": "no_state",
-                             "message": f"this node holds block {self.block}, not {msg['block']}"})
+    async def on_state_get(self, conn: Connection, msg: messages.Message) -> None:
+        if msg.block != self.block:
+            await conn.send(messages.Error(re=msg.id, code="no_state",
+                                           message=f"this node holds block {self.block}, not {msg.block}"))
         elif self.serving >= MAX_SERVING:
-            await conn.send({"t": "error", "re": msg["id"], "code": "busy", "message": "try another holder"})
+            await conn.send(messages.Error(re=msg.id, code="busy", message="try another holder"))
         else:
             self.node.spawn(self._serve_state(conn, msg))
 
-    async def _serve_state(self, conn: Connection, msg: dict) -> None:
+    async def _serve_state(self, conn: Connection, msg: messages.Message) -> None:
         state = self.replica.state  # a snapshot: rounds replace the state object, never mutate it
         self.serving += 1
         try:
             stream = await conn.send_tensor(state.flat(), "raw")
-            await conn.send({"t": "state_reply", "re": msg["id"], "block": self.block, **state.version.to_wire(),
-                             "stream": stream, "config": self.cfg.to_dict()})
+            await conn.send(messages.StateReply(re=msg.id, block=self.block, **state.version.to_wire(), stream=stream,
+                                                config=self.cfg.to_dict()))
             self.served += 1
         except PeerGone as exc:
             log.info("state transfer to %s stopped: %s", conn.label[:8], exc)

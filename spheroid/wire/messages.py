@@ -1,14 +1,19 @@
-"""The message set of protocol version 2: every type, its fields and their types.
+"""The message set of protocol version 2: every type, its fields and their types, in one schema.
 
-A message is a msgpack map with "t" (the type) and "id" (the sender's request id, unique per
-connection); a reply carries "re", the id it answers. Fields not listed here are ignored (so a
-newer peer may add optional fields); a listed field of the wrong type is a protocol error. New
-message types take a new name; a peer answers a type it does not know with an error and closes.
+On the wire a message is a msgpack map with "t" (the type) and "id" (the sender's message id,
+unique per connection); a reply carries "re", the id it answers. Fields not listed here are ignored
+(so a newer peer may add optional fields); a listed field of the wrong type is a protocol error.
+New message types take a new name; a peer answers a type it does not know with an error and closes.
+
+In code a message is a frozen dataclass generated from the schema (`Ping(ts=1.0)`, `msg.ts`);
+`to_wire` and `from_wire` convert to and from the checked map. The session (session.py) sends and
+receives these; only the codec and the handshake see maps.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, ClassVar
 
 import torch
 
@@ -64,6 +69,10 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "bye": {"reason": "str"},
 }
 COMMON = {"t": "str", "id": "uint", "re": "uint?"}
+# messages that name streams which arrived before them: the field naming them, and the field the
+# receiving session attaches the finished tensors under (a list of them for "probe")
+STREAM_FIELDS = {"update": ("stream", "tensor"), "state_reply": ("stream", "tensor"), "hop": ("z", "tensor"),
+                 "probe": ("streams", "tensors")}
 
 # a peer entry inside peers_reply, which lists at most this many (a random sample)
 MAX_PEER_ENTRIES = 64
@@ -108,3 +117,67 @@ def validate_peer(entry: Any) -> dict:
     ):
         raise ProtocolError("bad_field", f"a peer entry needs {sorted(PEER_FIELDS)} of the right types")
     return entry
+
+
+# --- typed messages -------------------------------------------------------------------------------
+
+PY_TYPES = {"uint": int, "float": float, "str": str, "bin": bytes, "bool": bool, "list": list, "map": dict,
+            "tensor": torch.Tensor}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Message:
+    """A protocol message. `id` is assigned by the session that sends it; `re` names the request a
+    reply answers. Subclasses, one per type, are generated from SCHEMAS below."""
+
+    t: ClassVar[str] = ""
+    id: int | None = None
+    re: int | None = None
+
+    def to_wire(self) -> dict:
+        """The map that goes on the wire (optional fields left out when None; attached tensors never)."""
+        out: dict[str, Any] = {"t": self.t}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and f.metadata.get("wire", True):
+                out[f.name] = value
+        return out
+
+    def replace(self, **changes: Any) -> Message:
+        """A copy with some fields changed (messages are frozen)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _message_class(kind: str, schema: dict[str, str]) -> type[Message]:
+    fields: list = []
+    for name, field_kind in schema.items():
+        typ = PY_TYPES[field_kind.rstrip("?")]
+        fields.append((name, typ | None, dataclasses.field(default=None)) if field_kind.endswith("?") else (name, typ))
+    if kind in STREAM_FIELDS:  # the tensors a receiving session attaches
+        fields.append((STREAM_FIELDS[kind][1], Any, dataclasses.field(default=None, metadata={"wire": False})))
+    name = "".join(part.capitalize() for part in kind.split("_"))
+    return dataclasses.make_dataclass(name, fields, bases=(Message,), frozen=True, kw_only=True,
+                                      namespace={"t": kind, "__module__": __name__})
+
+
+MESSAGES: dict[str, type[Message]] = {kind: _message_class(kind, schema) for kind, schema in SCHEMAS.items()}
+
+
+def from_wire(message: dict) -> Message:
+    """A checked map (`validate`) as its typed message; fields this version does not know are dropped."""
+    cls = MESSAGES[message["t"]]
+    known = {f.name for f in dataclasses.fields(cls) if f.metadata.get("wire", True)}
+    return cls(**{k: v for k, v in message.items() if k in known})
+
+
+# every type by name, for code that builds and matches messages
+Hello, Auth, Ping, Pong = MESSAGES["hello"], MESSAGES["auth"], MESSAGES["ping"], MESSAGES["pong"]
+Peers, PeersReply, Status, StatusReply = (MESSAGES[k] for k in ("peers", "peers_reply", "status", "status_reply"))
+StreamBegin, StreamChunk, Probe, ProbeReply = (MESSAGES[k] for k in ("stream_begin", "stream_chunk", "probe",
+                                                                     "probe_reply"))
+Version, Update, StateGet, StateReply = (MESSAGES[k] for k in ("version", "update", "state_get", "state_reply"))
+Generate, GenBytes, GenDone, Score, ScoreReply = (MESSAGES[k] for k in ("generate", "gen_bytes", "gen_done", "score",
+                                                                        "score_reply"))
+Hop, HopDone, HopError = MESSAGES["hop"], MESSAGES["hop_done"], MESSAGES["hop_error"]
+Error, Bye = MESSAGES["error"], MESSAGES["bye"]
+

@@ -26,12 +26,9 @@ from enum import Enum
 
 from .codec import MAX_FRAME, Decoder, encode
 from .errors import ProtocolError
-from .messages import VERSION, validate
+from .messages import STREAM_FIELDS, VERSION, Hello, Message, from_wire, validate
 from .streams import Budget, StreamAssembler
 
-# messages that name streams which arrived before them: field -> the tensors the session attaches
-# under "tensor" ("tensors" for a list of streams), taking them out of the stream budget
-STREAM_FIELDS = {"update": "stream", "state_reply": "stream", "hop": "z", "probe": "streams"}
 NODE_ID = re.compile(r"[0-9a-f]{32}")  # a node id: 32 lowercase hex digits
 HANDSHAKE_MAX_FRAME = 64 << 10  # a peer that has not finished the handshake cannot make us buffer more
 NONCE_BYTES = 16
@@ -49,14 +46,14 @@ class State(Enum):
 class Opened:
     """The handshake is done; `hello` is the peer's."""
 
-    hello: dict
+    hello: Hello
 
 
 @dataclass(frozen=True)
-class Message:
+class Arrived:
     """A message after the handshake (stream frames are absorbed by the session)."""
 
-    message: dict
+    message: Message
     size: int  # bytes of its frame, header included
 
 
@@ -77,7 +74,7 @@ class Refused:
     text: str
 
 
-Event = Opened | Message | Frame | Refused
+Event = Opened | Arrived | Frame | Refused
 
 
 def is_node_id(value: object) -> bool:
@@ -115,7 +112,7 @@ class Session:
         self.secret = secret
         self.me = me
         self.state = State.HELLO
-        self.peer: dict = {}  # the peer's hello, once received
+        self.peer: Hello | None = None  # the peer's hello, once received
         self.streams = StreamAssembler(budget)
         self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME)
         self._ids = itertools.count(1)
@@ -138,16 +135,17 @@ class Session:
         self._out.clear()
         return out
 
-    def send(self, message: dict) -> bytes:
+    def send(self, message: Message) -> bytes:
         """One message as a frame, checked against its schema; an id is assigned if it has none."""
         if self.state is not State.OPEN:
-            raise ValueError(f"cannot send {message.get('t')} while the session is {self.state.value}")
-        message.setdefault("id", self.next_id())
+            raise ValueError(f"cannot send {message.t} while the session is {self.state.value}")
+        wire = message.to_wire()
+        wire.setdefault("id", self.next_id())
         try:
-            validate(message)
+            validate(wire)
         except ProtocolError as exc:  # our own bug, not the peer's: say so
             raise ValueError(f"refusing to send an invalid message: {exc.message}") from None
-        return encode(message)
+        return encode(wire)
 
     def refuse(self, error: ProtocolError) -> bytes:
         """The error frame that tells the peer why we close; the session is closed."""
@@ -193,7 +191,7 @@ class Session:
             if kind != "hello":
                 raise ProtocolError("handshake", f"expected hello first, got {kind}")
             self._check_hello(message)
-            self.peer, self._hellos["theirs"] = message, body
+            self.peer, self._hellos["theirs"] = from_wire(message), body
             if self.secret is None:
                 return self._open()
             self.state = State.AUTH
@@ -251,11 +249,14 @@ class Session:
             return [Frame(kind, size, data.numel() * data.element_size())]
         if kind in ("hello", "auth"):
             raise ProtocolError("unexpected", f"{kind} after the handshake")
-        named = message.get(STREAM_FIELDS.get(kind, ""))
-        if isinstance(named, list):
-            if not all(isinstance(i, int) and not isinstance(i, bool) for i in named):
-                raise ProtocolError("bad_field", f"{kind}: {STREAM_FIELDS[kind]} must be stream ids")
-            message["tensors"] = [self.streams.take(i) for i in named]
-        elif named is not None:
-            message["tensor"] = self.streams.take(named)
-        return [Message(message, size)]
+        typed = from_wire(message)
+        if kind in STREAM_FIELDS:  # the message names streams: hand it over with their tensors
+            field, attach = STREAM_FIELDS[kind]
+            named = message.get(field)
+            if isinstance(named, list):
+                if not all(isinstance(i, int) and not isinstance(i, bool) for i in named):
+                    raise ProtocolError("bad_field", f"{kind}: {field} must be stream ids")
+                typed = typed.replace(**{attach: [self.streams.take(i) for i in named]})
+            elif named is not None:
+                typed = typed.replace(**{attach: self.streams.take(named)})
+        return [Arrived(typed, size)]
