@@ -29,7 +29,7 @@ from .node.client import assemble_swarm, fetch_status, remote_generate, remote_s
 from .node.connection import PeerGone
 from .node.identity import IdentityError
 from .node.identity import load_or_create as load_identity
-from .node.node import Node
+from .node.node import Node, tune_allocator
 from .node.serving import BlockServer, ReferenceServer
 from .node.worker import BlockWorker
 from .pipeline import parse_blocks
@@ -711,6 +711,7 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
     secret = read_secret(secret_file)
     ident = load_identity(cfg.identity)
     try:
+        tune_allocator()
         member = Node(cfg, ident, secret)
         torch.set_num_threads(threads)
         if served and serve_reference:
