@@ -34,6 +34,7 @@ from ..wire import VERSION, ProtocolError, encode
 from ..wire.messages import (
     MAX_PEER_ENTRIES,
     Bye,
+    Error,
     Hello,
     Message,
     Peers,
@@ -224,8 +225,8 @@ class Node:
         if total >= self.cfg.max_unauthenticated or self.unauthenticated[host] >= self.cfg.max_unauthenticated_per_host:
             self.quiet.log(logging.WARNING, "busy", "refused a connection from %s: %d connections (%d from there) "
                            "are still in their handshake", host, total, self.unauthenticated[host])
-            writer.write(encode({"t": "error", "id": 1, "code": "busy",
-                                 "message": "too many connections in their handshake; try again later"}))
+            busy = Error(id=1, code="busy", message="too many connections in their handshake; try again later")
+            writer.write(encode(busy.to_wire()))
             writer.close()
             return
         conn = Connection(reader, writer, self.traffic, self._session(dialler=False), self.cfg.timeout)

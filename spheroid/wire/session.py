@@ -26,7 +26,7 @@ from enum import Enum
 
 from .codec import MAX_FRAME, Decoder, encode
 from .errors import ProtocolError
-from .messages import STREAM_FIELDS, VERSION, Hello, Message, from_wire, validate
+from .messages import STREAM_FIELDS, VERSION, Auth, Error, Hello, Message, from_wire, validate
 from .streams import Budget, StreamAssembler
 
 NODE_ID = re.compile(r"[0-9a-f]{32}")  # a node id: 32 lowercase hex digits
@@ -118,9 +118,9 @@ class Session:
         self._ids = itertools.count(1)
         self._out = bytearray()
         self.error: ProtocolError | None = None  # what ended the session, once it is raised
-        hello = {"t": "hello", "id": self.next_id(), "version": VERSION, "swarm": swarm, **me,
-                 "nonce": os.urandom(NONCE_BYTES), "auth": secret is not None}
-        frame = encode(validate(hello))
+        hello = Hello(id=self.next_id(), version=VERSION, swarm=swarm, **me, nonce=os.urandom(NONCE_BYTES),
+                      auth=secret is not None)
+        frame = encode(validate(hello.to_wire()))
         self._hellos = {"mine": frame[4:], "theirs": b""}
         self._out += frame  # both sides send hello at once
 
@@ -150,7 +150,7 @@ class Session:
     def refuse(self, error: ProtocolError) -> bytes:
         """The error frame that tells the peer why we close; the session is closed."""
         self.state = State.CLOSED
-        return encode({"t": "error", "id": self.next_id(), "code": error.code, "message": error.message})
+        return encode(Error(id=self.next_id(), code=error.code, message=error.message).to_wire())
 
     # --- receiving --------------------------------------------------------------------------------
 
@@ -231,7 +231,7 @@ class Session:
 
     def _send_proof(self) -> None:
         side = "dialler" if self.dialler else "acceptor"
-        self._out += encode({"t": "auth", "id": self.next_id(), "mac": proof(self.secret, self._transcript(), side)})
+        self._out += encode(Auth(id=self.next_id(), mac=proof(self.secret, self._transcript(), side)).to_wire())
 
     def _open(self) -> list[Event]:
         self.state = State.OPEN
