@@ -213,3 +213,19 @@ def test_nesting_limit_is_the_one_the_spec_states():
         decode_body(body(1025))
     assert err.value.code == "too_deep"
 
+
+
+def test_rules_the_spec_states_are_enforced():
+    """A chunk must be 1-D (section 4); a codec other than int8 carries no scales (section 3)."""
+    import msgpack
+
+    streams = StreamAssembler()
+    streams.begin({"t": "stream_begin", "id": 1, "stream": 1, "dtype": "float32", "shape": [4], "chunks": 1,
+                   "chunk_elems": 4})
+    with pytest.raises(ProtocolError) as err:
+        streams.chunk({"t": "stream_chunk", "id": 2, "stream": 1, "seq": 0, "data": torch.zeros(2, 2)})
+    assert err.value.code == "bad_stream"
+    payload = msgpack.packb(["float32", [1], "raw", "none", b"\0" * 4, b"\0" * 4, 1])
+    with pytest.raises(ProtocolError) as err:
+        decode_tensor(payload)
+    assert err.value.code == "bad_tensor" and "carries no scales" in err.value.message

@@ -18,6 +18,7 @@ import torch
 
 from .codec import EncodedTensor, encode
 from .errors import ProtocolError
+from .messages import StreamBegin, StreamChunk
 from .tensors import DEFAULT_LIMITS, DTYPE_NAMES, DTYPES, Limits, decode_tensor, encode_tensor
 
 CHUNK_BYTES = 1 << 20
@@ -39,13 +40,13 @@ def stream_frames(
     worker thread and keep the event loop free.
     """
     flat, chunk_elems, chunks = _layout(tensor, chunk_bytes)
-    begin = encode({"t": "stream_begin", "id": next_id(), "stream": stream, "dtype": DTYPE_NAMES[flat.dtype],
-                    "shape": list(tensor.shape), "chunks": chunks, "chunk_elems": chunk_elems})
+    begin = encode(StreamBegin(id=next_id(), stream=stream, dtype=DTYPE_NAMES[flat.dtype], shape=list(tensor.shape),
+                               chunks=chunks, chunk_elems=chunk_elems).to_wire())
     yield Outgoing("stream_begin", begin, len(begin))
     for seq in range(chunks):
         piece = flat[seq * chunk_elems : (seq + 1) * chunk_elems]
-        frame = encode({"t": "stream_chunk", "id": next_id(), "stream": stream, "seq": seq,
-                        "data": EncodedTensor(encode_tensor(piece, codec, compression))})
+        data = EncodedTensor(encode_tensor(piece, codec, compression))  # encoded here, off the event loop
+        frame = encode(StreamChunk(id=next_id(), stream=stream, seq=seq, data=data).to_wire())
         yield Outgoing("stream_chunk", frame, piece.numel() * piece.element_size())
 
 
