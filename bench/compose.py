@@ -89,10 +89,16 @@ VARIANTS = [
             model={"edm_skip": False, "layout": "merged"}, train={"block_input": "chain"}, method_change=True),
     Variant("chain_input_norm4_merged", "chain-state training, norm 4, merged layout",
             model={"layout": "merged", "codebook_norm": 4.0}, train={"block_input": "chain"}, method_change=True),
-    Variant("relay", "the default: chain states, no skip path, each block's clean stream relayed from the one before",
-            model={"edm_skip": False, "channel": "relay"}, train={"block_input": "chain"}, method_change=True),
+    Variant("relay", "the default: chain states, no skip path, each block's clean stream relayed from the one before "
+            "and trained by the relay loss",
+            model={"edm_skip": False, "channel": "relay", "relay_loss": 1.0}, train={"block_input": "chain"},
+            method_change=True),
+    Variant("relay_untrained", "relay channel without the relay loss (what is relayed is trained only through the "
+            "weights it shares with the noisy stream)",
+            model={"edm_skip": False, "channel": "relay", "relay_loss": 0.0}, train={"block_input": "chain"},
+            method_change=True),
     Variant("relay_noised", "relay channel on noised inputs (no skip path): depth without chain states",
-            model={"edm_skip": False, "channel": "relay"}, method_change=True),
+            model={"edm_skip": False, "channel": "relay", "relay_loss": 1.0}, method_change=True),
 ]
 
 PRESETS: dict[str, dict] = {

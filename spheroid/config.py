@@ -44,7 +44,7 @@ class ModelConfig:
     # but the last), read off by a head of its own: without it nothing trains what a block hands on
     # when its last layer's clean-stream output feeds no query of its own (docs/compose.md); ignored
     # with channel "z"
-    relay_loss: float = 0.0
+    relay_loss: float = 1.0
     # the end-to-end reference's layout: "plain" (a causal transformer) or "two_stream" (the blocks'
     # clean stream plus one query token per position, nothing noisy); ignored by blocks
     reference_layout: str = "plain"

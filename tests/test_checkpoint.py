@@ -11,7 +11,7 @@ from spheroid.train import load_chain
 
 
 def save_blocks(folder, cfg: RunConfig, n: int | None = None) -> list[DiffusionBlock]:
-    blocks = [DiffusionBlock(cfg.model, cfg.noise.sigma_data) for _ in range(cfg.model.n_blocks)]
+    blocks = [DiffusionBlock(cfg.model, cfg.noise.sigma_data, b) for b in range(cfg.model.n_blocks)]
     for b, block in enumerate(blocks[:n]):
         checkpoint.save(folder, checkpoint.block_name(b), block, cfg, {"step": 3, "block": b})
     return blocks

@@ -353,7 +353,7 @@ def with_z(blocks: list[DiffusionBlock], cfg: RunConfig) -> list[DiffusionBlock]
     out = []
     for b, block in enumerate(blocks):
         twin = DiffusionBlock(z_cfg, cfg.noise.sigma_data, b).eval()
-        twin.load_state_dict(block.state_dict())
+        twin.load_state_dict({k: v for k, v in block.state_dict().items() if not k.startswith("relay_head.")})
         out.append(twin)
     return out
 

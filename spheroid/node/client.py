@@ -134,7 +134,7 @@ async def assemble_swarm(addr: str, cfg: NodeConfig, out: Path, secret: bytes | 
     found, first_cfg = [], None
     for block, (_, holder) in sorted(best.items()):
         run_cfg, state = await fetch_state(holder, block, cfg, secret)
-        module = DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data)
+        module = DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data, block)
         vector_to_parameters(state.params, module.parameters())
         if first_cfg is not None and (run_cfg.model, run_cfg.noise) != (first_cfg.model, first_cfg.noise):
             raise PeerGone(f"block {block} from {holder} belongs to another model than block 0")
@@ -163,7 +163,7 @@ async def request_state(conn: Connection, block: int, n_params: int | None = Non
     reply = await conn.request(StateGet(block=block))
     run_cfg = RunConfig.from_dict(reply.config)
     if n_params is None:
-        n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data).parameters())
+        n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data, block).parameters())
     version = Version(reply.round, reply.samples, reply.hash)
     return run_cfg, SharedState.unpack(version, reply.tensor, n_params)
 
