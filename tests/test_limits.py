@@ -1,6 +1,7 @@
 """A node's resources under abuse, with real sockets: handshakes, stream memory, gossip floods, logs."""
 
 import asyncio
+import itertools
 import logging
 import os
 import socket
@@ -129,11 +130,13 @@ def test_streams_of_all_connections_share_one_memory_budget(tmp_path):
 
 def test_a_peer_list_flood_keeps_the_table_bounded_and_real_peers_reachable(tmp_path):
     """A member answers every peers request with 64 new fake peers; another once with 40,000. The
-    known table stays at max_known, status stays fast, the oversized list closes the connection, and
-    a real peer listed among the fakes is dialled (peers are dialled in the order they were learned)."""
+    known table fills to max_known and stays there, status stays fast, the oversized list closes the
+    connection, and a real peer listed among the fakes is dialled: peers are dialled in the order
+    they were learned, so fakes learned later wait behind it (it is dialled before the table is full
+    here; once full, random eviction may drop a peer not yet dialled, until someone lists it again)."""
 
     async def scenario() -> tuple[int, float, bool, bool]:
-        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"), max_known=500,
+        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"), max_known=2000,
                          timeout=2)
         node = Node(cfg, load_or_create(cfg.identity))
         real_cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "real.json"))
@@ -141,7 +144,7 @@ def test_a_peer_list_flood_keeps_the_table_bounded_and_real_peers_reachable(tmp_
         await node.start()
         await real.start()
         liar = await member(cfg, "ab" * 16)
-        rounds = iter(range(1 << 30))
+        rounds = itertools.count()
 
         async def answer(conn: Connection, msg: Message) -> None:
             if isinstance(msg, Peers):
@@ -154,13 +157,17 @@ def test_a_peer_list_flood_keeps_the_table_bounded_and_real_peers_reachable(tmp_
 
         serving = asyncio.create_task(liar.serve(answer, 60))
         await asyncio.sleep(0.2)
-        for _ in range(40):
+        known, deadline = 0, time.monotonic() + 60  # generous: a loaded machine dials slowly
+        for round_ in itertools.count():
             await node.gossip_once()
+            known = max(known, len(node.known))
             await asyncio.sleep(0.05)  # the dials it started fail (nothing listens on port 1)
+            if round_ >= 40 and real.id in node.conns or time.monotonic() > deadline:
+                break
         t0 = time.monotonic()
         node.status()
         status_s = time.monotonic() - t0
-        known, reached = len(node.known), real.id in node.conns
+        reached = real.id in node.conns
         flooder = await member(cfg, "cd" * 16)
 
         async def flood(conn: Connection, msg: Message) -> None:
@@ -180,7 +187,7 @@ def test_a_peer_list_flood_keeps_the_table_bounded_and_real_peers_reachable(tmp_
         return known, status_s, reached, flooder.closed
 
     known, status_s, reached, flooder_closed = asyncio.run(scenario())
-    assert known <= 500 and status_s < 1.0 and reached and flooder_closed
+    assert known == 2000 and status_s < 1.0 and reached and flooder_closed
 
 
 async def member(cfg: NodeConfig, node_id: str) -> Connection:
