@@ -322,8 +322,9 @@ def main(argv: list[str] | None = None) -> dict:
     refresh = p["refresh_every"] if args.refresh_every is None else args.refresh_every
 
     started = time.monotonic()
-    log.info("preset %s: training 4 references and %d blocks (in order%s), %d steps each, %d at a time, on %s",
-             args.preset, cfg.model.n_blocks, f", and all at once reading snapshots every {refresh} steps"
+    log.info("preset %s: %s 4 references and %d blocks (in order%s), %d steps each, %d at a time, on %s",
+             args.preset, "evaluating" if args.evaluate_only else "training" if not args.reuse_references
+             else "reusing", cfg.model.n_blocks, f", and all at once reading snapshots every {refresh} steps"
              if refresh else "", steps_total, jobs, device)
     if args.evaluate_only:  # the trainers' own metrics, from the run that trained them
         metrics = {f.name.removesuffix(".metrics.json"): json.loads(f.read_text())
