@@ -164,7 +164,9 @@ class Node:
 
     async def start(self) -> None:
         host, port = parse_addr(self.cfg.listen)
-        self._server = await asyncio.start_server(self._on_inbound, host, port, ssl=self._ssl_server)
+        # a deep accept queue: connections beyond it wait in the kernel, unseen by the handshake
+        # limits and deadline, and reach the node seconds later (SYN-ACK retries)
+        self._server = await asyncio.start_server(self._on_inbound, host, port, ssl=self._ssl_server, backlog=1024)
         log.info("node %s listening on %s (swarm %s, role %s%s)", self.id[:8], self.cfg.listen, self.cfg.swarm,
                  self.cfg.role, ", authenticated" if self.secret else "")
         for loop in (self._ping_loop, self._gossip_loop, self._seed_loop, self._status_loop):
