@@ -12,9 +12,12 @@ PIP_TORCH_FLAGS ?=
 DATA ?= $(if $(wildcard ../shared/data/wikitext),../shared/data/wikitext,$(SPHEROID_DATA))
 PY := $(VENV)/bin/python
 SPHEROID := $(VENV)/bin/spheroid
-# the demo: a swarm of five nodes on 127.0.0.1 (block 0 twice), a model small enough for 2 cores
+# the demo: a swarm of five nodes on 127.0.0.1 (block 0 twice), a model small enough for 2 cores, all
+# blocks at once (each reads the earlier blocks from their holders); beside it, with the same model
+# flags, the reference one block deep (the best one worker could do alone)
 DEMO_OUT ?= runs/demo
-DEMO_FLAGS ?= --steps 600 --every 20 --d-model 64 --context 64 --batch 32
+DEMO_MODEL ?= --steps 600 --d-model 64 --context 64 --batch 32
+DEMO_FLAGS ?= $(DEMO_MODEL) --every 20
 STAMP := $(VENV)/.installed
 
 export SPHEROID_DATA := $(DATA)
@@ -39,6 +42,7 @@ lint: install
 
 demo: install
 	$(SPHEROID) swarm --out $(DEMO_OUT) --replicas 2,1,1,1 -- $(DEMO_FLAGS)
+	$(SPHEROID) train --reference --n-blocks 1 --out $(DEMO_OUT)/model $(DEMO_MODEL)
 	$(SPHEROID) eval $(DEMO_OUT)/model --windows 64 --draws 4 | tee $(DEMO_OUT)/eval.txt
 	$(SPHEROID) generate $(DEMO_OUT)/model --prompt " = Robert Boulter = " --bytes 160 --temperature 0.7
 	@echo "checkpoint: $(DEMO_OUT)/model  metrics: $(DEMO_OUT)/metrics.json $(DEMO_OUT)/eval.txt  logs: $(DEMO_OUT)/nodes"

@@ -66,7 +66,7 @@ def tensor_json(values, shape, dtype="float32", codec="raw", compression="none",
 
 
 VALID = {
-    "hello": {"t": "hello", "id": 1, "version": 2, "swarm": "spheroid", "node": "0f" * 16,
+    "hello": {"t": "hello", "id": 1, "version": 3, "swarm": "spheroid", "node": "0f" * 16,
               "addr": "10.0.0.1:7400", "role": "worker", "blocks": [2], "nonce": {"$bin": "a5" * 16},
               "auth": True, "boot": {"$bin": "01" * 8}},
     "auth": {"t": "auth", "id": 2, "mac": {"$bin": "5c" * 32}},
@@ -106,7 +106,10 @@ VALID = {
     "probe_reply": {"t": "probe_reply", "id": 20, "re": 19, "elements": 9, "bytes": 36},
     "version": {"t": "version", "id": 21, "block": 2, "round": 7, "samples": 1792, "hash": "ab" * 32,
                 "synced": True},
-    "update": {"t": "update", "id": 22, "block": 2, "round": 7, "base": "ab" * 32, "samples": 256, "stream": 5},
+    "update": {"t": "update", "id": 22, "block": 2, "round": 7, "base": "ab" * 32, "samples": 256, "lo": 0,
+               "hi": 4096, "stream": 5},
+    "reduced": {"t": "reduced", "id": 37, "block": 2, "round": 7, "base": "ab" * 32, "samples": 512, "lo": 4096,
+                "hi": 8192, "contributors": ["0f" * 16, "1e" * 16], "stream": 7},
     "state_get": {"t": "state_get", "id": 23, "block": 2},
     "state_reply": {"t": "state_reply", "id": 24, "re": 23, "block": 2, "round": 7, "samples": 1792,
                     "hash": "ab" * 32, "stream": 6, "config": {"model": {"d_model": 32}}},

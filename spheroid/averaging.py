@@ -1,30 +1,46 @@
-"""Averaging same-block updates in deadline rounds, sans I/O.
+"""Averaging same-block updates in deadline rounds, as a butterfly all-reduce, sans I/O.
 
 Every replica of a block shares a versioned starting point (`SharedState`: the block's parameters
 as one flat vector, the outer momentum when the outer step has one, and a `Version`). A round:
 
-  1. each replica trains H local steps from the shared starting point;
-  2. its update is its parameters minus that starting point, tagged with the round, the starting
-     point's hash and the samples behind it, and goes to every same-block peer;
-  3. each replica averages (weighted by samples) the updates that reached it by its deadline,
-     `wait` seconds after its own was ready, applies the outer step and so gets the next shared
-     starting point. It waits for nobody but the peers in step with it (they contributed to its
-     previous round, or announced its version as the result of a round of theirs), and for them
-     only until the deadline: a joiner is not waited for until it has contributed to a round.
+  1. each replica trains H local steps from the shared starting point; its update is its
+     parameters minus that starting point;
+  2. reduce-scatter: the round's group (the replica and the peers in step with it, sorted) splits
+     the vector into one contiguous range per member. Each replica sends the part of its update in
+     member m's range to m (a `Part`, tagged with the round, the starting point's hash and the
+     samples behind it). The owner checks every part (size, finite, norm against the other parts),
+     and at `wait / 2` after its own update was ready, or when every member's part is in, averages
+     them weighted by samples: its range's `Reduced`;
+  3. all-gather: each owner sends its `Reduced` to the group and to any other contributor, and each
+     replica closes the round when every range has come in, or `wait` after its own update was
+     ready, whichever is first: it applies the outer step to the assembled average and so gets the
+     next shared starting point.
 
-When every update reaches every replica, all replicas compute bit-identical states (the same
-updates, summed in the same order, each already passed through the wire codec, the replica's own
-too). When they did not (a late update, a restart, a joiner), replicas announce their `Version`
-and one rule settles which state the swarm keeps: a later round wins, then the state that averaged
-more samples, then the smaller hash. A replica that sees a preferred version fetches that state and
-rebases its local progress onto it, so no local work is lost.
+So a node sends 2 (n - 1) / n of the vector per round whatever the number n of replicas, where
+sending the whole update to every peer costs n - 1 vectors. Replicas that received the same
+`Reduced` ranges compute bit-identical states: each range was averaged once, by its owner, and
+passed through the wire codec before anyone, its owner too, used it.
 
-Late updates: an update for a round its receiver has already closed is dropped by that receiver
-(logged and counted as late). Its sender's own state includes it; if that state averaged more
-samples, the rule above makes the others adopt it, otherwise the update's work is lost to them.
+A range that did not arrive by the deadline (its owner died or straggled) is not averaged this
+round: the shared state keeps that range as it was, and each replica carries its own part of it
+over as local progress (`Closed.carry`), as it does for a range whose owner left its part out (it
+came late, or was refused). No local work is lost; it goes into the next round's update. A round
+with a missing range counts no samples (`Version.samples` adds the least any range averaged), so
+the version rule below makes such replicas adopt a complete state when one exists.
 
-Nothing here does I/O or reads a clock: times are passed in, so the same code runs inside a node
-and inside a deterministic simulation (tests/test_averaging.py).
+Who is waited for: the group is the replica and the peers in step with it (they contributed to
+its previous round, or announced its version as the result of a round of theirs). A replica that
+fetched its state (a joiner, a restart) is not a member: it sends its parts to the members' ranges
+and owns none, so nobody waits for it; once its parts are in every range it is a contributor, in
+step, and a member from the next round on.
+
+When replicas diverge anyway (a late range, a restart), they announce their `Version` and one rule
+settles which state the swarm keeps: a later round wins, then the state that averaged more samples,
+then the smaller hash. A replica that sees a preferred version fetches that state and rebases its
+local progress onto it.
+
+Nothing here does I/O or reads a clock: times are passed in and the wire codec is a function, so
+the same code runs inside a node and inside a deterministic simulation (tests/test_averaging.py).
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -120,22 +137,56 @@ class SharedState:
         return cls(version, flat[:n_params].clone(), momentum)
 
 
+def partition(n_params: int, group: list[str]) -> dict[str, tuple[int, int]]:
+    """Each member's range [lo, hi) of the flat vector: contiguous, in the group's sorted order,
+    sizes differing by at most one. Every replica with the same group computes the same ranges."""
+    members = sorted(group)
+    size, extra = divmod(n_params, len(members))
+    ranges, lo = {}, 0
+    for i, member in enumerate(members):
+        hi = lo + size + (i < extra)
+        ranges[member] = (lo, hi)
+        lo = hi
+    return ranges
+
+
 @dataclass
-class Update:
+class Part:
+    """A replica's update restricted to one owner's range, for that owner to average."""
+
     sender: str
     round: int
     base: str  # hash of the shared state the update is relative to
     samples: int
-    delta: torch.Tensor  # (P,) float32, as decoded from the wire
+    lo: int
+    hi: int
+    delta: torch.Tensor  # (hi - lo,) float32, as decoded from the wire
+
+
+@dataclass
+class Reduced:
+    """An owner's average of the parts of its range: what every replica assembles."""
+
+    sender: str  # the owner
+    round: int
+    base: str
+    lo: int
+    hi: int
+    contributors: list[str]
+    samples: int  # the samples behind the parts averaged
+    delta: torch.Tensor  # (hi - lo,) float32, as decoded from the wire
 
 
 @dataclass
 class Closed:
-    """The outcome of a round: the next shared state and whose updates went into it."""
+    """The outcome of a round: the next shared state, whose updates went into it, and what is carried."""
 
     state: SharedState
-    contributors: list[str]
-    rejected: dict[str, str]  # sender -> reason, for updates refused at closing time
+    contributors: list[str]  # senders whose parts were averaged in every range
+    rejected: dict[str, str]  # sender -> reason, for parts refused at reducing time
+    carry: torch.Tensor  # (P,) this replica's own update where it was not averaged: local progress
+    missing: int  # ranges that did not arrive by the deadline
+    ready_at: float  # when this replica's own update was in
 
 
 @dataclass
@@ -145,112 +196,217 @@ class Counters:
     late: int = 0
     rejected: int = 0
     adopted: int = 0  # states fetched from peers and rebased onto
+    missing: int = 0  # ranges not received by a round's deadline
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
 
 
+def identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 @dataclass
 class Replica:
-    """One replica's side of the rounds for one block: what it holds, has received and must do."""
+    """One replica's side of the rounds for one block: what it holds, has received and must do.
+
+    `wire` is the codec round trip (encode then decode) a tensor goes through when it travels:
+    the replica applies it to what it keeps of its own, so that it holds what its peers decode.
+    """
 
     me: str
     state: SharedState
     cfg: AveragingConfig
-    expected: set[str] = field(default_factory=set)  # peers waited for: in step with this replica
+    expected: set[str] = field(default_factory=set)  # peers in step with this replica
     counters: Counters = field(default_factory=Counters)
+    synced: bool = True  # reached its state by a round (or genesis): a member of the next group
+    wire: Callable[[torch.Tensor], torch.Tensor] = identity
 
     def __post_init__(self) -> None:
         self.announced: dict[str, tuple[Version, bool]] = {}  # peer -> (its version, reached by a round?)
-        self.updates: dict[str, Update] = {}  # this round's updates, own included, checked for base
-        self.held: dict[str, Update] = {}  # updates for the next round, or on another base: maybe later
+        self._start_round()
+
+    def _start_round(self) -> None:
+        self.group: list[str] = []  # fixed at submit: the members, sorted
+        self.ranges: dict[str, tuple[int, int]] = {}
+        self.own: torch.Tensor | None = None  # this round's update, as computed (not through the codec)
+        self.own_samples = 0
+        self.parts: dict[str, Part] = {}  # parts of this replica's range, its own included
+        self.reduced: dict[str, Reduced] = {}  # ranges averaged, by owner
+        self.rejected: dict[str, str] = {}
         self.ready_at: float | None = None  # when this replica's own update was in
+        held = getattr(self, "held", {})
+        # for the next round, before submit, or on another base: maybe later (one of each kind per sender)
+        self.held: dict[tuple[str, str], Part | Reduced] = {}
+        for message in held.values():
+            self.offer(message)
 
     @property
     def round(self) -> int:
         return self.state.version.round
 
-    # --- updates ------------------------------------------------------------------------------------
+    @property
+    def n_params(self) -> int:
+        return self.state.params.numel()
 
-    def submit(self, delta: torch.Tensor, samples: int, now: float) -> Update:
-        """Record this replica's own update (already through the wire codec) and start the deadline."""
-        own = Update(self.me, self.round, self.state.version.hash, samples, delta)
-        self.updates[self.me] = own
-        self.ready_at = now
-        return own
+    @property
+    def range(self) -> tuple[int, int] | None:
+        """The range this replica owns this round (None: not a member, or before submit)."""
+        return self.ranges.get(self.me)
 
-    def offer(self, update: Update) -> str:
-        """A peer's update: 'accepted', 'held' (a later round, or another base), or why it was rejected."""
-        reason = self._check(update)
+    # --- a round ------------------------------------------------------------------------------------
+
+    def submit(self, delta: torch.Tensor, samples: int, now: float) -> dict[str, Part]:
+        """This replica's own update: fixes the round's group and ranges, starts the deadline, and
+        returns the parts to send, by owner (every owner but itself)."""
+        members = set(self.expected) | ({self.me} if self.synced else set())
+        self.group = sorted(members) or [self.me]
+        self.ranges = partition(self.n_params, self.group)
+        self.own, self.own_samples, self.ready_at = delta, samples, now
+        parts = {}
+        for owner, (lo, hi) in self.ranges.items():
+            part = Part(self.me, self.round, self.state.version.hash, samples, lo, hi, delta[lo:hi])
+            if owner == self.me:
+                self.parts[self.me] = Part(**{**part.__dict__, "delta": self.wire(delta[lo:hi].contiguous())})
+            else:
+                parts[owner] = part
+        held, self.held = self.held, {}
+        for message in held.values():
+            self.offer(message)
+        return parts
+
+    def offer(self, message: Part | Reduced) -> str:
+        """A peer's part or reduced range: 'accepted', 'held' (a later round, before this replica's
+        own update, or on another base), or why it was refused."""
+        reason = self._check(message)
         if reason is None:
-            self.updates[update.sender] = update
+            if isinstance(message, Part):
+                self.parts[message.sender] = message
+            else:
+                self.reduced[message.sender] = message
             self.counters.accepted += 1
             return "accepted"
-        if reason in ("next round", "other base"):
-            self.held[update.sender] = update
+        if reason in ("next round", "before submit", "other base"):
+            self.held[type(message).__name__, message.sender] = message
             if reason == "other base":
-                self.expected.discard(update.sender)  # cannot count this round unless we adopt its base
+                self.expected.discard(message.sender)  # cannot count this round unless we adopt its base
             return "held"
         if reason == "late":
             self.counters.late += 1
         else:
             self.counters.rejected += 1
-        log.warning("update from %s for round %d rejected: %s", update.sender[:8], update.round, reason)
+        log.warning("%s from %s for round %d refused: %s", type(message).__name__.lower(), message.sender[:8],
+                    message.round, reason)
         return reason
 
-    def _check(self, u: Update) -> str | None:
-        if u.sender == self.me or u.sender in self.updates:
-            return "duplicate"
-        if u.delta.dtype != torch.float32 or tuple(u.delta.shape) != tuple(self.state.params.shape):
-            return f"wrong shape {tuple(u.delta.shape)} {u.delta.dtype}, expected {tuple(self.state.params.shape)}"
-        if u.samples < 1:
+    def _check(self, m: Part | Reduced) -> str | None:
+        if m.delta.dtype != torch.float32 or m.delta.dim() != 1 or m.delta.numel() != m.hi - m.lo:
+            return f"wrong shape {tuple(m.delta.shape)} {m.delta.dtype} for range {m.lo}:{m.hi}"
+        if not 0 <= m.lo < m.hi <= self.n_params:
+            return f"range {m.lo}:{m.hi} outside the block's {self.n_params} values"
+        if m.samples < 1:
             return "no samples behind it"
-        if not torch.isfinite(u.delta).all():
-            return "NaN or Inf in the update"
-        if u.round < self.round:
-            return "late" if u.round == self.round - 1 else "stale round"
-        if u.round > self.round + 1:
+        if not torch.isfinite(m.delta).all():
+            return "NaN or Inf in it"
+        if m.round < self.round:
+            return "late" if m.round == self.round - 1 else "stale round"
+        if m.round > self.round + 1:
             return "future round"
-        if u.round == self.round + 1:
+        if m.round == self.round + 1:
             return "next round"
-        if u.base != self.state.version.hash:
+        if m.base != self.state.version.hash:
             return "other base"
+        if self.ready_at is None:
+            return "before submit"
+        if isinstance(m, Part):
+            if m.sender == self.me or m.sender in self.parts:
+                return "duplicate"
+            if self.range != (m.lo, m.hi):
+                return "not this replica's range (another partition)"
+            if self.me in self.reduced:
+                return "late"
+            return None
+        if m.sender == self.me or m.sender in self.reduced:
+            return "duplicate"
+        if self.ranges.get(m.sender) != (m.lo, m.hi):
+            return "not the sender's range (another partition)"
+        if not m.contributors or len(set(m.contributors)) != len(m.contributors):
+            return "no contributors, or repeated ones"
         return None
 
-    # --- closing ------------------------------------------------------------------------------------
+    def can_reduce(self, now: float) -> bool:
+        """This replica owns a range it has not averaged yet, and every member's part is in, or half
+        the deadline has passed."""
+        if self.range is None or self.me in self.reduced or self.ready_at is None:
+            return False
+        return set(self.group) <= set(self.parts) or now >= self.ready_at + self.cfg.wait / 2
+
+    def reduce(self) -> Reduced:
+        """Average the parts of this replica's range; the result (through the codec) counts as
+        received from itself. Returns it, to send to `targets()`."""
+        self.rejected = self._norm_outliers(self.parts)
+        for sender, reason in self.rejected.items():
+            log.warning("part from %s for round %d refused: %s", sender[:8], self.round, reason)
+            self.counters.rejected += 1
+        used = sorted(s for s in self.parts if s not in self.rejected)  # a fixed order: the same sums anywhere
+        total = sum(self.parts[s].samples for s in used)  # (>= 1: the median part is never an outlier)
+        lo, hi = self.range
+        average = torch.zeros(hi - lo)
+        for s in used:
+            average.add_(self.parts[s].delta, alpha=self.parts[s].samples / total)
+        mine = Reduced(self.me, self.round, self.state.version.hash, lo, hi, used, total, average)
+        self.reduced[self.me] = Reduced(**{**mine.__dict__, "delta": self.wire(average)})
+        return mine
+
+    def targets(self) -> list[str]:
+        """Who gets this replica's reduced range: the group, every contributor, and the peers that
+        announced this replica's version (a joiner on it gets the round's result, and so is in step
+        for the next), itself aside."""
+        contributors = self.reduced[self.me].contributors if self.me in self.reduced else []
+        on_this_state = {p for p, (version, _) in self.announced.items() if version == self.state.version}
+        return sorted((set(self.group) | set(contributors) | on_this_state) - {self.me})
 
     def deadline(self) -> float | None:
-        return None if self.ready_at is None else self.ready_at + self.cfg.wait
+        """The next time something is due: averaging this replica's range, or closing the round."""
+        if self.ready_at is None:
+            return None
+        if self.range is not None and self.me not in self.reduced:
+            return self.ready_at + self.cfg.wait / 2
+        return self.ready_at + self.cfg.wait
 
     def can_close(self, now: float, gone: set[str] = frozenset()) -> bool:
-        """Own update in, and every expected peer heard from (or gone), or the deadline passed."""
-        if self.ready_at is None:
+        """Own range averaged (if it owns one), and every range in (or its owner gone), or the deadline."""
+        if self.ready_at is None or (self.range is not None and self.me not in self.reduced):
             return False
-        waiting = self.expected - set(self.updates) - set(gone)
+        waiting = set(self.ranges) - set(self.reduced) - set(gone)
         return not waiting or now >= self.ready_at + self.cfg.wait
 
     def close(self) -> Closed:
-        """Average what arrived, apply the outer step, move to the next round's shared state."""
-        candidates = self.updates
-        rejected = self._norm_outliers(candidates)
-        for sender, reason in rejected.items():
-            log.warning("update from %s for round %d rejected: %s", sender[:8], self.round, reason)
-            self.counters.rejected += 1
-        used = sorted(s for s in candidates if s not in rejected)  # a fixed order: identical sums everywhere
-        total = sum(candidates[s].samples for s in used)
+        """Assemble the averaged ranges, apply the outer step, move to the next round's shared state."""
         average = torch.zeros_like(self.state.params)
-        for s in used:
-            average.add_(candidates[s].delta, alpha=candidates[s].samples / total)
+        carry = torch.zeros_like(self.state.params)
+        contributors: set[str] | None = None
+        samples = []
+        for owner, (lo, hi) in self.ranges.items():
+            got = self.reduced.get(owner)
+            if got is not None:
+                average[lo:hi] = got.delta
+                samples.append(got.samples)
+                contributors = set(got.contributors) if contributors is None else contributors & set(got.contributors)
+            if got is None or self.me not in got.contributors:
+                carry[lo:hi] = self.own[lo:hi]  # not averaged: stays this replica's local progress
+        missing = set(self.ranges) - set(self.reduced)  # their owners are not in step with this replica
+        self.counters.missing += len(missing)
+        used = sorted((contributors or set()) - missing)
         params, momentum = self.outer_step(average)
-        version_samples = self.state.version.samples + total
-        self.state = SharedState.create(self.round + 1, version_samples, params, momentum)
+        added = 0 if missing else min(samples)
+        self.state = SharedState.create(self.round + 1, self.state.version.samples + added, params, momentum)
         self.counters.rounds += 1
+        self.synced = True
         self.expected = (set(used) | self._in_step()) - {self.me}
-        self.updates, held, self.ready_at = {}, self.held, None
-        self.held = {}
-        for update in held.values():  # next-round updates now belong to this round
-            self.offer(update)
-        return Closed(self.state, used, rejected)
+        rejected, ready_at = self.rejected, self.ready_at
+        self._start_round()
+        return Closed(self.state, used, rejected, carry, len(missing), ready_at)
 
     def outer_step(self, average: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """New parameters from the averaged update: plain averaging, or Nesterov momentum on it."""
@@ -261,16 +417,18 @@ class Replica:
         momentum = self.cfg.outer_momentum * momentum + average
         return base + self.cfg.outer_lr * (average + self.cfg.outer_momentum * momentum), momentum
 
-    def _norm_outliers(self, updates: dict[str, Update]) -> dict[str, str]:
-        """Peers' updates whose norm is more than max_norm_ratio away from the median norm."""
-        if len(updates) < 2:
+    def _norm_outliers(self, parts: dict[str, Part]) -> dict[str, str]:
+        """Parts whose norm is more than max_norm_ratio away from the median norm (its own too: an owner
+        must not push its own outlier into a range everyone uses). With two parts there is no
+        majority, and this replica trusts its own."""
+        if len(parts) < 2:
             return {}
-        norms = {s: float(u.delta.norm()) for s, u in updates.items()}
-        # with two updates there is no majority: this replica trusts its own
-        ref = statistics.median(norms.values()) if len(norms) > 2 else norms[self.me]
+        norms = {s: float(u.delta.norm()) for s, u in parts.items()}
+        two = len(norms) == 2
+        ref = norms[self.me] if two else statistics.median(norms.values())
         ratio, out = self.cfg.max_norm_ratio, {}
         for sender, norm in norms.items():
-            if sender != self.me and ref > 0 and not ref / ratio <= norm <= ref * ratio:
+            if not (two and sender == self.me) and ref > 0 and not ref / ratio <= norm <= ref * ratio:
                 out[sender] = f"norm {norm:.3g} is far outside its peers' ({ref:.3g})"
         return out
 
@@ -280,8 +438,8 @@ class Replica:
         """A peer announced its version; `synced` when it got there by closing a round (or genesis)
         and is still training.
 
-        Peers in step (synced, on this replica's version) are waited for; a peer that fetched the
-        state (a joiner, a restarted node) is not, until it has contributed to a round.
+        Peers in step (synced, on this replica's version) are members of its next group; a peer
+        that fetched the state (a joiner, a restarted node) is not, until it has contributed.
         """
         self.announced[peer] = (version, synced)
         if synced and version == self.state.version:
@@ -307,19 +465,18 @@ class Replica:
 
         Progress not yet sent is kept; progress already sent as this round's update is not carried
         over (the adopted state may include it already; if it does not, it was late). This round's
-        updates were relative to the old state and are dropped, except held ones on the new state's
-        base, which count again.
+        parts and ranges were relative to the old state and are dropped, except held ones on the
+        new state's base, which count again. Until it has contributed to a round, this replica is
+        not a member of anyone's group.
         """
         progress = local - self.state.params
-        if self.me in self.updates:
-            progress -= self.updates[self.me].delta
+        if self.own is not None:
+            progress -= self.own
         rebased = state.params + progress
         self.state = state
         self.counters.adopted += 1
-        self.updates, self.ready_at = {}, None
+        self.synced = False
         self.expected = self._in_step() - {self.me}
-        held, self.held = self.held, {}
-        for update in held.values():
-            if update.round >= self.round:
-                self.offer(update)
+        self.held = {k: m for k, m in self.held.items() if m.round >= self.round}
+        self._start_round()
         return rebased

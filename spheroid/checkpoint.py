@@ -160,9 +160,10 @@ def load_blocks(folder: str | os.PathLike) -> list[Entry]:
 def require_versions_read(entries: list[Entry], folder: str | os.PathLike) -> None:
     """Refuse blocks that were trained against other versions of the earlier blocks than the folder holds.
 
-    A block records the versions it read (`state["reads"]`: sha256 and step per earlier block). Blocks
-    trained in order read fixed versions, which must be the ones here; blocks trained all at once
-    (refresh_every > 0) read snapshots, and the folder must hold the same or a later step of each.
+    A block records the versions it read (`state["reads"]`: sha256 and step per earlier block, or the
+    round, samples and hash of a swarm's state). Blocks trained in order read fixed versions, which
+    must be the ones here; blocks trained all at once (refresh_every > 0) read snapshots, and the
+    folder must hold the same or a later step (a swarm's: round) of each.
     """
     held = {e.name: e for e in entries}
     for entry in entries:
@@ -171,12 +172,14 @@ def require_versions_read(entries: list[Entry], folder: str | os.PathLike) -> No
             other = held.get(name)
             if other is None:
                 continue
-            if refreshed and int(other.state.get("step", 0)) >= int(read.get("step", 0)):
+            progress = "round" if "round" in read else "step"
+            if refreshed and int(other.state.get(progress, 0)) >= int(read.get(progress, 0)):
                 continue
             if not refreshed and other.sha256 == read.get("sha256"):
                 continue
-            found = f"step {other.state.get('step', '?')}, sha256 {other.sha256[:12]}"
-            wanted = f"step {read.get('step', '?')}, sha256 {str(read.get('sha256'))[:12]}"
+            found = f"{progress} {other.state.get(progress, '?')}, sha256 {other.sha256[:12]}"
+            wanted = f"{progress} {read.get(progress, '?')}, {'hash' if 'hash' in read else 'sha256'} " \
+                     f"{str(read.get('hash', read.get('sha256')))[:12]}"
             raise CheckpointError(
                 f"{entry.name} in {folder} was trained against {name} at {wanted}, but the folder holds {found}: "
                 f"retrain {entry.name} (and the blocks after it) on this {name}, or restore the {name} it read"

@@ -308,7 +308,8 @@ def run_config_options(func):
         click.option("--refresh-every", "train__refresh_every", type=click.IntRange(min=0),
                      help="Train all blocks at once: publish this block into --out and reload the earlier blocks' "
                           "newest snapshots every R steps (their genesis states until they appear); 0 = the "
-                          "earlier blocks are trained first.  [default: 0]"),
+                          "earlier blocks are trained first.  [default: 0; `node`: fetch them from their holders "
+                          "every R steps, default 100]"),
     ]
     for option in reversed(options):
         func = option(func)
@@ -430,13 +431,15 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
                            bound_reconstruction=terms.reconstruction)
     if have_reference:
         results["reference_ce"] = evaluate_reference(ckpt, win, dev)
+        ref = checkpoint.load(ckpt, checkpoint.REFERENCE).config.model
+        results["reference_layers"] = ref.n_blocks * ref.layers_per_block
     if as_json:
         click.echo(json.dumps(results, indent=2))
         return
     click.echo(f"{results['split']}: {results['bytes']} bytes scored")
     rows = [("chain_ce_m1", "chain from noise, M = 1"), ("chain_ce", f"chain from noise, M = {draws}"),
             ("block0_alone_ce", "block 0 alone at sigma_max"), ("bound_ce", "variational bound (VDM)"),
-            ("reference_ce", "end-to-end reference")]
+            ("reference_ce", f"reference, {results.get('reference_layers')} layers")]
     for key, label in rows:
         if key in results:
             ce = float(results[key])
@@ -757,12 +760,16 @@ def check_node_flags(flags: list[str]) -> None:
     node_run_config(params["config_file"], {k: v for k, v in params.items() if "__" in k})
 
 
+SWARM_REFRESH_EVERY = 100  # steps between a swarm node's refreshes of the earlier blocks it reads
+
+
 def node_run_config(config_file: str | None, overrides: dict) -> RunConfig:
-    """What a training node trains: as `train`, but on noised inputs and with z only between blocks
-    unless the flags say otherwise (which the worker then refuses, saying why)."""
-    overrides = {**overrides, "train__block_input": overrides.get("train__block_input") or "noised",
-                 "model__channel": overrides.get("model__channel") or "z"}
-    return load_config(config_file, **overrides)
+    """What a training node trains: as `train`, all blocks at once (a node refreshes the earlier blocks
+    it reads every SWARM_REFRESH_EVERY steps unless --refresh-every or the config file says otherwise)."""
+    run = load_config(config_file, **overrides)
+    if run.train.refresh_every == 0:
+        run = dataclasses.replace(run, train=dataclasses.replace(run.train, refresh_every=SWARM_REFRESH_EVERY))
+    return run
 
 
 @main.command(context_settings={"ignore_unknown_options": True})

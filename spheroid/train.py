@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as fn
 from safetensors.torch import save as save_safetensors
+from torch.nn.utils import vector_to_parameters
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import checkpoint
@@ -352,23 +353,24 @@ class EarlierBlocks:
     refresh_every = 0 (blocks trained in order): they must be trained already, and stay as found.
     refresh_every = R (all blocks at once, as a swarm trains them): a block not yet published in
     the folder starts as its genesis state, and every R steps the trainer reloads the ones whose
-    trainers published a newer snapshot. Nobody waits for anybody. `versions` records which
-    version of each was read last (sha256 of its weights and its step; 0 = genesis).
+    trainers published a newer snapshot. Nobody waits for anybody. `folder` None: all start as
+    genesis, and their owner replaces them (a swarm node, with states fetched from peers).
+    `versions` records which version of each was read last (0 = genesis).
     """
 
-    def __init__(self, folder: Path, index: int, cfg: RunConfig, device: torch.device) -> None:
+    def __init__(self, folder: Path | None, index: int, cfg: RunConfig, device: torch.device) -> None:
         self.folder, self.cfg, self.device = folder, cfg, device
         self.blocks: list[DiffusionBlock] = []
         self.versions: dict[str, dict] = {}
         for b in range(index):
-            if cfg.train.refresh_every:
+            if cfg.train.refresh_every or folder is None:
                 self.blocks.append(genesis_block(cfg, b).to(device).requires_grad_(False).eval())
                 self.versions[checkpoint.block_name(b)] = {"sha256": "genesis", "step": 0}
             else:
                 entry = load_earlier(folder, b, index, cfg)
                 self.blocks.append(block_from(entry, cfg, device, b).requires_grad_(False))
                 self.versions[entry.name] = {"sha256": entry.sha256, "step": entry.state.get("step", 0)}
-        if cfg.train.refresh_every:
+        if cfg.train.refresh_every and folder is not None:
             self.refresh()
 
     def refresh(self) -> int:
@@ -388,6 +390,12 @@ class EarlierBlocks:
                 changed += 1
         return changed
 
+    def replace(self, b: int, params: torch.Tensor, version: dict) -> None:
+        """Block b's parameters (flat, in state-dict order) from elsewhere, and the version they are."""
+        with torch.no_grad():
+            vector_to_parameters(params.to(self.device), self.blocks[b].parameters())
+        self.versions[checkpoint.block_name(b)] = dict(version)
+
 
 def load_earlier(folder: Path, b: int, index: int, cfg: RunConfig) -> checkpoint.Entry:
     """Block b, which block `index` reads, with an error that says what to train first."""
@@ -402,10 +410,11 @@ def load_earlier(folder: Path, b: int, index: int, cfg: RunConfig) -> checkpoint
     return entry
 
 
-def block_trainer(cfg: RunConfig, index: int, out: Path, device: torch.device
+def block_trainer(cfg: RunConfig, index: int, out: Path | None, device: torch.device
                   ) -> tuple[DiffusionBlock, LossFn, EarlierBlocks | None]:
     """What training block `index` needs: the block (genesis state), its loss, and the frozen
-    earlier blocks it reads (None when its training reads none)."""
+    earlier blocks it reads (None when its training reads none), loaded from `out` (None: their
+    genesis states, for a swarm node to replace with fetched ones)."""
     if not 0 <= index < cfg.model.n_blocks:
         raise ValueError(f"--block {index} is outside 0..{cfg.model.n_blocks - 1}")
     earlier = EarlierBlocks(out, index, cfg, device) if reads_earlier(cfg) else None

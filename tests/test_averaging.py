@@ -1,4 +1,5 @@
-"""The round protocol of spheroid/averaging.py: exact averages, rejections, and a fake-clock swarm."""
+"""The round protocol of spheroid/averaging.py: a butterfly all-reduce with exact averages, rejections,
+missing ranges, and a fake-clock swarm."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import itertools
 import pytest
 import torch
 
-from spheroid.averaging import AveragingConfig, Replica, SharedState, Update, Version, state_hash
+from spheroid.averaging import (
+    AveragingConfig,
+    Part,
+    Reduced,
+    Replica,
+    SharedState,
+    Version,
+    partition,
+    state_hash,
+)
 
 P = 64
 
@@ -18,11 +28,13 @@ def start_state(seed: int = 0, nesterov: bool = False) -> SharedState:
     return SharedState.create(0, 0, params, torch.zeros(P) if nesterov else None)
 
 
-def replicas(n: int, cfg: AveragingConfig | None = None) -> list[Replica]:
+def replicas(n: int, cfg: AveragingConfig | None = None, wire=None) -> list[Replica]:
     cfg = cfg or AveragingConfig(wait=1.0)
     names = [f"{i:032x}" for i in range(n)]
     state = start_state(nesterov=cfg.outer == "nesterov")
-    group = [Replica(name, SharedState(state.version, state.params.clone(), state.momentum), cfg) for name in names]
+    extra = {"wire": wire} if wire else {}
+    group = [Replica(name, SharedState(state.version, state.params.clone(), state.momentum), cfg, **extra)
+             for name in names]
     for r in group:  # they start together from one genesis state and say so
         for other in group:
             if other is not r:
@@ -30,16 +42,30 @@ def replicas(n: int, cfg: AveragingConfig | None = None) -> list[Replica]:
     return group
 
 
-def exchange(group: list[Replica], deltas: list[torch.Tensor], samples: list[int]) -> list[Update]:
-    own = [r.submit(d, s, now=0.0) for r, d, s in zip(group, deltas, samples, strict=True)]
+def exchange(group: list[Replica], deltas: list[torch.Tensor], samples: list[int], wire=lambda t: t) -> None:
+    """One round, every message delivered: parts to their owners, then every owner's range to all."""
+    by_name = {r.me: r for r in group}
+    sent = [r.submit(d, s, now=0.0) for r, d, s in zip(group, deltas, samples, strict=True)]
+    for parts in sent:
+        for owner, part in parts.items():
+            assert by_name[owner].offer(Part(**{**part.__dict__, "delta": wire(part.delta)})) == "accepted"
     for r in group:
-        for u in own:
-            if u.sender != r.me:
-                assert r.offer(u) == "accepted"
-    return own
+        if r.range is None:  # not a member this round: owns nothing
+            continue
+        assert r.can_reduce(now=0.0)
+        mine = r.reduce()
+        for peer in r.targets():
+            assert by_name[peer].offer(Reduced(**{**mine.__dict__, "delta": wire(mine.delta)})) == "accepted"
 
 
-def test_average_is_exact_when_every_update_arrives():
+def test_ranges_tile_the_vector_and_every_replica_computes_the_same_ones():
+    group = [f"{i:032x}" for i in (3, 1, 2)]
+    ranges = partition(10, group)
+    assert [ranges[m] for m in sorted(group)] == [(0, 4), (4, 7), (7, 10)]
+    assert partition(10, list(reversed(group))) == ranges
+
+
+def test_average_is_exact_when_every_range_arrives():
     group = replicas(3)
     base = group[0].state.params.clone()
     deltas = [torch.randn(P) * 0.01 for _ in group]
@@ -51,8 +77,80 @@ def test_average_is_exact_when_every_update_arrives():
         torch.testing.assert_close(c.state.params, expected, rtol=0, atol=1e-6)
         assert c.state.version.round == 1 and c.state.version.samples == 192
         assert sorted(c.contributors) == sorted(r.me for r in group)
+        assert c.missing == 0 and not c.carry.any()
     assert len({c.state.version.hash for c in closed}) == 1  # bit-identical on every replica
     assert closed[0].state.version.hash == state_hash(closed[0].state.params)
+
+
+def test_replicas_hold_what_their_peers_decode_through_a_lossy_codec():
+    """Each range is averaged once, by its owner, and everyone (the owner too) uses it as decoded."""
+    wire = lambda t: t.to(torch.bfloat16).to(torch.float32)  # noqa: E731 (a lossy round trip)
+    group = replicas(4, wire=wire)
+    exchange(group, [torch.randn(P) * 0.01 for _ in group], [8, 8, 8, 8], wire=wire)
+    assert len({r.close().state.version.hash for r in group}) == 1
+
+
+def test_a_node_sends_two_vectors_per_round_whatever_the_number_of_replicas():
+    for n in (2, 4, 8):
+        group = replicas(n)
+        by_name = {r.me: r for r in group}
+        sent = {r.me: 0 for r in group}
+        for r, parts in [(r, r.submit(torch.randn(P), 8, now=0.0)) for r in group]:
+            for owner, part in parts.items():
+                sent[r.me] += part.delta.numel()
+                assert by_name[owner].offer(part) == "accepted"
+        for r in group:
+            mine = r.reduce()
+            sent[r.me] += mine.delta.numel() * len(r.targets())
+        assert all(total == 2 * (n - 1) * P // n for total in sent.values())
+
+
+def test_a_missing_range_is_not_averaged_and_each_replica_carries_its_own_part():
+    group = replicas(3)
+    base = group[0].state.params.clone()
+    deltas = [torch.randn(P) * 0.01 for _ in group]
+    by_name = {r.me: r for r in group}
+    dead = group[2]
+    sent = [r.submit(d, 8, now=0.0) for r, d in zip(group[:2], deltas, strict=False)]
+    for parts in sent:
+        for owner, part in parts.items():
+            if owner != dead.me:
+                by_name[owner].offer(part)
+    live = group[:2]
+    assert not live[0].can_reduce(now=0.4) and live[0].can_reduce(now=0.5)  # half the deadline
+    for r in live:
+        mine = r.reduce()
+        for peer in r.targets():
+            if peer != dead.me:
+                by_name[peer].offer(mine)
+    assert not live[0].can_close(now=0.9) and live[0].can_close(now=1.0)
+    assert live[0].can_close(now=0.0, gone={dead.me})  # a peer known gone is not waited for
+    closed = [r.close() for r in live]
+    lo, hi = partition(P, [r.me for r in group])[dead.me]
+    assert closed[0].state.version.hash == closed[1].state.version.hash
+    assert closed[0].missing == 1 and closed[0].state.version.samples == 0  # no complete average: no samples
+    torch.testing.assert_close(closed[0].state.params[lo:hi], base[lo:hi])  # not averaged there
+    torch.testing.assert_close(closed[0].state.params[:lo], base[:lo] + (deltas[0][:lo] + deltas[1][:lo]) / 2)
+    for c, d in zip(closed, deltas, strict=False):  # each keeps its own work there, to send next round
+        torch.testing.assert_close(c.carry[lo:hi], d[lo:hi])
+        assert not c.carry[:lo].any() and not c.carry[hi:].any()
+    assert sorted(closed[0].contributors) == sorted(r.me for r in live)
+    assert dead.me not in live[0].expected  # the next round's group is the two of them
+
+
+def test_a_joiner_owns_no_range_until_it_has_contributed():
+    a, b, joiner = replicas(3)
+    for r in (a, b):  # the joiner fetched their state: announced, not synced
+        r.note_version(joiner.me, r.state.version, synced=False)
+    joiner.synced = False
+    joiner.expected = {a.me, b.me}
+    exchange([a, b, joiner], [torch.full((P,), 0.1), torch.full((P,), 0.2), torch.full((P,), 0.3)], [8, 8, 8])
+    assert joiner.range is None and a.group == b.group == joiner.group == sorted([a.me, b.me])
+    closed = [r.close() for r in (a, b, joiner)]
+    assert len({c.state.version.hash for c in closed}) == 1 and closed[0].state.version.samples == 24
+    a.submit(torch.zeros(P), 8, now=1.0)
+    joiner.submit(torch.zeros(P), 8, now=1.0)
+    assert joiner.me in a.group and joiner.range is not None  # a member now, on both sides
 
 
 def test_nesterov_outer_step_matches_its_formula_and_carries_momentum():
@@ -75,45 +173,83 @@ def test_nesterov_outer_step_matches_its_formula_and_carries_momentum():
     assert second[0].state.version.hash == second[1].state.version.hash
 
 
+def close_alone(r: Replica, delta: torch.Tensor, now: float = 0.0):
+    """A round in which nothing from the peers arrives: it closes at the deadline."""
+    r.submit(delta, 8, now)
+    if r.range is not None:
+        r.reduce()
+    return r.close()
+
+
 @pytest.mark.parametrize("bad, reason", [
-    (lambda u: setattr(u, "delta", torch.full((P,), float("nan"))), "NaN"),
-    (lambda u: setattr(u, "delta", torch.tensor([1.0, float("inf")]).repeat(P // 2)), "NaN or Inf"),
-    (lambda u: setattr(u, "delta", torch.zeros(P + 1)), "wrong shape"),
-    (lambda u: setattr(u, "delta", torch.zeros(P, dtype=torch.float16)), "wrong shape"),
+    (lambda u: setattr(u, "delta", torch.full((u.hi - u.lo,), float("nan"))), "NaN"),
+    (lambda u: setattr(u, "delta", torch.tensor([1.0, float("inf")]).repeat((u.hi - u.lo) // 2)), "NaN or Inf"),
+    (lambda u: setattr(u, "delta", torch.zeros(u.hi - u.lo + 1)), "wrong shape"),
+    (lambda u: setattr(u, "delta", torch.zeros(u.hi - u.lo, dtype=torch.float16)), "wrong shape"),
     (lambda u: setattr(u, "round", 5), "future round"),
     (lambda u: setattr(u, "samples", 0), "no samples"),
+    (lambda u: (setattr(u, "hi", P + 8), setattr(u, "delta", torch.zeros(P + 8 - u.lo))), "outside"),
+    (lambda u: (setattr(u, "lo", u.lo + 1), setattr(u, "delta", torch.zeros(u.hi - u.lo))), "another partition"),
 ])
-def test_bad_updates_are_rejected_and_counted(bad, reason):
+@pytest.mark.parametrize("kind", ["part", "reduced"])
+def test_bad_parts_and_ranges_are_refused_and_counted(bad, reason, kind):
     me, peer = replicas(2)
-    update = Update(peer.me, 0, peer.state.version.hash, 8, torch.zeros(P))
-    bad(update)
-    assert reason in me.offer(update)
-    assert me.counters.rejected == 1 and peer.me not in me.updates
+    me.submit(torch.zeros(P), 8, now=0.0)
+    lo, hi = me.range if kind == "part" else partition(P, [me.me, peer.me])[peer.me]
+    base = peer.state.version.hash
+    message = (Part(peer.me, 0, base, 8, lo, hi, torch.zeros(hi - lo)) if kind == "part" else
+               Reduced(peer.me, 0, base, lo, hi, [me.me, peer.me], 16, torch.zeros(hi - lo)))
+    bad(message)
+    assert reason in me.offer(message)
+    assert me.counters.rejected == 1 and peer.me not in me.parts and peer.me not in me.reduced
+
+
+def test_a_reduced_range_needs_distinct_contributors():
+    me, peer = replicas(2)
+    me.submit(torch.zeros(P), 8, now=0.0)
+    lo, hi = partition(P, [me.me, peer.me])[peer.me]
+    for contributors in ([], [peer.me, peer.me]):
+        assert "contributors" in me.offer(Reduced(peer.me, 0, me.state.version.hash, lo, hi, contributors, 16,
+                                                  torch.zeros(hi - lo)))
 
 
 def test_stale_and_late_rounds_are_dropped():
     me, peer = replicas(2)
     for _ in range(2):  # me moves on to round 2 alone
-        me.submit(torch.zeros(P), 8, now=0.0)
-        me.close()
-    assert me.offer(Update(peer.me, 1, "x", 8, torch.zeros(P))) == "late"
-    assert me.offer(Update(peer.me, 0, "x", 8, torch.zeros(P))) == "stale round"
+        close_alone(me, torch.zeros(P))
+    assert me.offer(Part(peer.me, 1, "x", 8, 0, P, torch.zeros(P))) == "late"
+    assert me.offer(Part(peer.me, 0, "x", 8, 0, P, torch.zeros(P))) == "stale round"
     assert me.counters.late == 1 and me.counters.rejected == 1
 
 
-def test_update_on_another_base_is_never_averaged_in():
+def test_a_part_that_comes_after_its_range_was_averaged_is_late_and_its_sender_carries_it():
+    me, peer = replicas(2)
+    me.submit(torch.zeros(P), 8, now=0.0)
+    peer_parts = peer.submit(torch.ones(P), 8, now=0.0)
+    mine = me.reduce()  # half the deadline passed: averaged without the peer's part
+    assert me.offer(peer_parts[me.me]) == "late"
+    peer.offer(mine)
+    peer.reduce()
+    closed = peer.close()
+    lo, hi = me.range
+    assert closed.carry[lo:hi].eq(1).all() and not closed.carry[:lo].any() and not closed.carry[hi:].any()
+
+
+def test_a_part_on_another_base_is_never_averaged_in():
     me, peer = replicas(2)
     me.expected = {peer.me}
-    assert me.offer(Update(peer.me, 0, "f" * 64, 8, torch.ones(P))) == "held"
+    assert me.offer(Part(peer.me, 0, "f" * 64, 8, 0, P, torch.ones(P))) == "held"
     assert peer.me not in me.expected  # and the round does not wait for it
     me.submit(torch.zeros(P), 8, now=0.0)
+    assert me.group == [me.me] and me.can_reduce(now=0.0)
+    me.reduce()
     assert me.can_close(now=0.0)
     closed = me.close()
     assert closed.contributors == [me.me]
     torch.testing.assert_close(closed.state.params, replicas(1)[0].state.params)
 
 
-def test_update_with_a_norm_far_outside_its_peers_is_rejected():
+def test_a_part_with_a_norm_far_outside_its_peers_is_rejected():
     group = replicas(3)
     deltas = [torch.full((P,), 0.01), torch.full((P,), 0.012), torch.full((P,), 5.0)]
     exchange(group, deltas, [8, 8, 8])
@@ -133,8 +269,7 @@ def test_version_rule_prefers_later_rounds_then_more_samples_then_smaller_hash()
 def test_adopting_a_state_keeps_local_progress_and_verifies_the_hash():
     me, peer = replicas(2)
     local = me.state.params + 0.5
-    peer.submit(torch.full((P,), 0.1), 8, now=0.0)
-    newer = peer.close().state
+    newer = close_alone(peer, torch.full((P,), 0.1)).state
     received = SharedState.unpack(newer.version, newer.flat().clone(), P)
     assert me.wants(received.version)
     rebased = me.adopt(received, local)
@@ -192,25 +327,35 @@ class Sim:
         if r.me in self.dead or self.training.get(r.me) != token:
             return
         self.local[r.me] += torch.randn(P, generator=self.gen) * 0.01
-        own = r.submit(self.local[r.me] - r.state.params, 16, self.now)
-        for peer in self.group:
-            if peer is not r:
-                self.at(self.latency, self.deliver, peer, own)
+        parts = r.submit(self.local[r.me] - r.state.params, 16, self.now)
+        for owner, part in parts.items():
+            self.at(self.latency, self.deliver, owner, part)
+        self.at(r.cfg.wait / 2, self.try_close, r)
         self.at(r.cfg.wait, self.try_close, r)
         self.try_close(r)
 
-    def deliver(self, r: Replica, update: Update) -> None:
-        if r.me not in self.dead:
-            r.offer(update)
+    def replica(self, name: str) -> Replica:
+        return next(r for r in self.group if r.me == name)
+
+    def deliver(self, name: str, message: Part | Reduced) -> None:
+        if name not in self.dead:
+            r = self.replica(name)
+            r.offer(message)
             self.try_close(r)
 
     def try_close(self, r: Replica) -> None:
-        if r.me in self.dead or not r.can_close(self.now):
+        if r.me in self.dead:
+            return
+        if r.can_reduce(self.now):
+            mine = r.reduce()
+            for peer in r.targets():
+                self.at(self.latency, self.deliver, peer, mine)
+        if not r.can_close(self.now):
             return
         ready = r.ready_at
         closed = r.close()
         self.closes.append((r.me, closed.state.version.round - 1, ready, self.now, len(closed.contributors)))
-        self.local[r.me] = closed.state.params.clone()
+        self.local[r.me] = closed.state.params + closed.carry
         for peer in self.group:
             if peer is not r:
                 self.at(self.latency, self.announce, peer, r, closed.state.version, True)
@@ -281,7 +426,7 @@ def test_fake_clock_killed_replica_catches_up_and_matches_after_the_next_round()
     survivors = sim.group[:2]
     assert min(r.round for r in survivors) >= saved.version.round + 5  # nobody waited past deadlines
     # restart from the checkpoint
-    restarted = Replica(victim.me, saved, victim.cfg)
+    restarted = Replica(victim.me, saved, victim.cfg, synced=False)  # as a node resumed from its checkpoint
     sim.group[2] = restarted
     sim.dead.discard(victim.me)
     sim.local[victim.me] = saved.params.clone()

@@ -386,6 +386,22 @@ def test_blocks_trained_all_at_once_read_genesis_states_then_published_snapshots
     load_chain(tmp_path, torch.device("cpu"))  # later snapshots of the blocks it read are fine
 
 
+def test_a_swarm_block_must_be_assembled_with_the_same_or_a_later_round_of_what_it_read(tiny, tmp_path):
+    """Swarm blocks record the round of each earlier block they read (the assembled blocks, their round)."""
+    cfg = RunConfig(model=tiny.model, noise=tiny.noise, train=override(tiny.train, refresh_every=100))
+    blocks = [DiffusionBlock(cfg.model, cfg.noise.sigma_data, b) for b in range(4)]
+    reads = {}
+    for b, block in enumerate(blocks):
+        checkpoint.save(tmp_path, f"block-{b}", block, cfg, {"block": b, "round": 6, "samples": 48, "hash": "ab",
+                                                            "reads": dict(reads)})
+        reads[f"block-{b}"] = {"round": 5, "samples": 40, "hash": "cd"}
+    load_chain(tmp_path, torch.device("cpu"))
+    checkpoint.save(tmp_path, "block-0", blocks[0], cfg, {"block": 0, "round": 4, "samples": 32, "hash": "ef",
+                                                          "reads": {}})  # an older block 0 than blocks 1-3 read
+    with pytest.raises(CheckpointError, match="block-1 .* trained against block-0 at round 5, hash cd.* round 4"):
+        load_chain(tmp_path, torch.device("cpu"))
+
+
 def test_the_relay_loss_trains_what_a_block_hands_on(tiny):
     """With relay_loss, every relayed block (not the last, not with channel z) has a head on its clean
     stream whose next-byte CE joins its loss, and the gradient reaches it; the reported CE stays the

@@ -16,7 +16,7 @@ from spheroid.node.accounting import Traffic
 from spheroid.node.connection import Connection, PeerGone
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node
-from spheroid.wire import ProtocolError, encode
+from spheroid.wire import VERSION, ProtocolError, encode
 from spheroid.wire.messages import Message, Peers, PeersReply, Status
 from spheroid.wire.session import Session
 
@@ -36,7 +36,7 @@ def node(tmp_path):
 
 def test_status_reports_identity_and_counters(node):
     first = node.status()
-    assert len(first["node"]) == 32 and first["swarm"] == "spheroid" and first["version"] == 2
+    assert len(first["node"]) == 32 and first["swarm"] == "spheroid" and first["version"] == VERSION
     assert first["peers"] == [] and first["authenticated"] is False
     second = node.status()
     received = second["traffic_by_type"]["received"]

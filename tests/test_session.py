@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from spheroid.wire import ProtocolError, encode
-from spheroid.wire.messages import Error, Ping, Probe, Status, Update
+from spheroid.wire.messages import VERSION, Error, Ping, Probe, Status, Update
 from spheroid.wire.session import HANDSHAKE_MAX_FRAME, Arrived, Opened, Refused, Session, State
 
 SECRET = b"a swarm secret"
@@ -104,7 +104,7 @@ def frames_hello(session: Session) -> dict:
                                           ({"serves": [-1]}, "handshake")])
 def test_a_bad_hello_is_refused_with_its_code(change, code):
     a = Session(me(), dialler=False, swarm="s", secret=SECRET)
-    hello = {"t": "hello", "id": 1, "version": 2, "swarm": "s", **me(), "nonce": os.urandom(16), "auth": True,
+    hello = {"t": "hello", "id": 1, "version": VERSION, "swarm": "s", **me(), "nonce": os.urandom(16), "auth": True,
              **change}
     with pytest.raises(ProtocolError) as err:
         a.receive_data(encode(hello))
@@ -159,7 +159,7 @@ def test_a_message_naming_a_stream_arrives_with_its_tensor():
     d.receive_data(a.data_to_send())
     delta = torch.arange(10.0)
     data = b"".join(out.frame for out in stream_frames(delta, 4, d.next_id, chunk_bytes=16))
-    data += d.send(Update(block=0, round=1, base="ab" * 32, samples=8, stream=4))
+    data += d.send(Update(block=0, round=1, base="ab" * 32, samples=8, lo=0, hi=10, stream=4))
     [message] = [e.message for e in a.receive_data(data) if isinstance(e, Arrived)]
     assert isinstance(message, Update) and torch.equal(message.tensor, delta) and a.streams.held == 0
     with pytest.raises(ProtocolError, match="not complete"):  # a stream is handed over once

@@ -56,7 +56,9 @@ def all_done_and_equal(nodes: list[NodeProcess]):
 
 
 def test_replicas_average_in_step_and_the_swarm_assembles(swarm, tmp_path, data_dir):
-    flags = ["--steps", "60", "--every", "10", "--wait", "5"]
+    """All blocks train at once (chain states, the relay channel): each later block fetches the
+    earlier blocks from their holders and records what it read, down to the assembled checkpoint."""
+    flags = ["--steps", "60", "--every", "10", "--wait", "5", "--refresh-every", "20"]
     a = swarm("a", 0, *flags)
     b = swarm("b", 0, *flags, seed=a)
     others = [swarm(f"blk{i}", i, *flags, seed=a) for i in (1, 2, 3)]
@@ -66,6 +68,11 @@ def test_replicas_average_in_step_and_the_swarm_assembles(swarm, tmp_path, data_
         assert s["counters"]["rejected"] == 0
         assert sum(h["updates"] == 2 for h in s["history"]) >= 5  # averaged together, not alone
     wait_until(lambda: all(training(n)["done"] for n in others), 120, "blocks 1-3 to finish")
+    for block, node in enumerate(others, start=1):
+        earlier = training(node)["earlier"]
+        assert sorted(earlier["reads"]) == [f"block-{b}" for b in range(block)]
+        assert earlier["fetches"] >= block and earlier["bytes"] > 0  # every earlier block, at least once
+        assert all(read["round"] >= 1 for read in earlier["reads"].values())  # trained states, not genesis
     out = tmp_path / "assembled"
     run = subprocess.run([sys.executable, "-m", "spheroid", "assemble", "--peer", b.addr, "--out", str(out)],
                          capture_output=True, text=True, timeout=120)
@@ -74,6 +81,7 @@ def test_replicas_average_in_step_and_the_swarm_assembles(swarm, tmp_path, data_
     for block in range(4):
         record = json.loads((out / f"block-{block}.json").read_text())
         assert record["state"]["round"] == 6
+        assert sorted(record["state"]["reads"]) == [f"block-{b}" for b in range(block)]
     ev = subprocess.run([sys.executable, "-m", "spheroid", "eval", str(out), "--data", str(data_dir), "--windows", "8",
                          "--draws", "1", "--json"], capture_output=True, text=True, timeout=300)
     assert ev.returncode == 0, ev.stderr
@@ -142,7 +150,7 @@ def _update_frames(status: dict, delta: torch.Tensor, **fields) -> bytes:
     ids = itertools.count(100)
     frames = b"".join(o.frame for o in stream_frames(delta, 1, lambda: next(ids)))
     message = {"t": "update", "id": 99, "block": 0, "round": t["round"], "base": t["version"]["hash"],
-               "samples": 8, "stream": 1, **fields}
+               "samples": 8, "lo": 0, "hi": t["params"], "stream": 1, **fields}
     # then something the node refuses, so it answers and closes and the exchange ends at once
     return frames + encode(message) + encode({"t": "no_such_type", "id": 1000})
 
@@ -157,7 +165,7 @@ def test_bad_updates_from_the_wire_are_rejected_and_the_node_keeps_training(swar
     handshake_then(node.addr, _update_frames(status, torch.zeros(n), round=0, base="0" * 64))
     handshake_then(node.addr, _update_frames(status, torch.zeros(n), round=10**6))
     got = handshake_then(node.addr, encode({"t": "update", "id": 5, "block": 0, "round": 1, "base": "x",
-                                            "samples": 1, "stream": 42}))  # names no stream: a protocol error
+                                            "samples": 1, "lo": 0, "hi": n, "stream": 42}))  # names no stream
     assert got[-1]["t"] == "error" and got[-1]["code"] == "bad_stream"
     counters = wait_until(lambda: (c := training(node)["counters"])["rejected"] + c["late"] >= 4 and c, 30,
                           "the rejections to be counted")

@@ -116,6 +116,7 @@ async def assemble_swarm(addr: str, cfg: NodeConfig, out: Path, secret: bytes | 
     """
     members = await crawl(addr, cfg, secret)
     best: dict[int, tuple[Version, str]] = {}
+    reads: dict[int, dict] = {}  # per block, the versions of the earlier blocks its holder read
     n_blocks = None
     for member_addr, status in members.items():
         training = status.get("training")
@@ -126,6 +127,7 @@ async def assemble_swarm(addr: str, cfg: NodeConfig, out: Path, secret: bytes | 
         block = training["block"]
         if block not in best or version.preferred_over(best[block][0]):
             best[block] = (version, member_addr)
+            reads[block] = training.get("earlier", {}).get("reads", {})
     if n_blocks is None:
         raise PeerGone(f"no node reachable through {addr} trains a block")
     missing = [b for b in range(n_blocks) if b not in best]
@@ -140,7 +142,7 @@ async def assemble_swarm(addr: str, cfg: NodeConfig, out: Path, secret: bytes | 
             raise PeerGone(f"block {block} from {holder} belongs to another model than block 0")
         first_cfg = first_cfg or run_cfg
         checkpoint.save(out, checkpoint.block_name(block), module, run_cfg,
-                        {"block": block, **state.version.to_wire(), "source": holder})
+                        {"block": block, **state.version.to_wire(), "source": holder, "reads": reads[block]})
         found.append((block, holder, state.version))
     return found
 

@@ -6,6 +6,12 @@ closes rounds at their deadline, announces the resulting `Version`, fetches a pr
 the peer that announced it (a joiner, a restarted or a diverged replica), serves its own state to
 others, and checkpoints after every round (one safetensors file: parameters, the outer momentum,
 the AdamW state and the version, written atomically). Optimizer state never leaves the node.
+
+A block that reads the blocks before it (chain states, the relay channel) holds frozen copies of
+them. Their holders announce their versions to it too; it fetches the preferred version of each
+(hash verified, from a holder chosen by rendezvous hashing) when it starts and then at most every
+`refresh_every` steps, between training chunks. Nobody waits for anybody: until a block's first
+fetch its copy is the genesis state. The versions read go into the checkpoint and the status.
 """
 
 from __future__ import annotations
@@ -24,21 +30,22 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_safetensors
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from ..averaging import CODECS, AveragingConfig, Replica, SharedState, Update, Version
+from ..averaging import CODECS, AveragingConfig, Closed, Replica, SharedState, Version
 from ..checkpoint import CheckpointError, atomic_write
 from ..config import RunConfig
 from ..data import random_windows
-from ..model import make_codebook
 from ..train import (
-    block_loss,
-    genesis_block,
+    EarlierBlocks,
+    block_trainer,
     learning_rate,
     load_optimizer_tensors,
     make_optimizer,
     optimizer_tensors,
+    reads_earlier,
     train_step,
 )
 from ..wire import ProtocolError, messages, through_codec
+from .averager import Averager
 from .client import request_state
 from .connection import Connection, PeerGone
 from .node import Node
@@ -61,22 +68,93 @@ def same_run(a: RunConfig, b: RunConfig) -> bool:
     return a.model == b.model and a.noise == b.noise
 
 
+class Upstream:
+    """The frozen copies of the earlier blocks a worker reads, kept near the swarm's preferred versions.
+
+    Holders of blocks 0..b-1 announce their versions to block b's nodes as to their own replicas.
+    `refresh` fetches, in the background, each earlier block whose preferred announced version is not
+    the one held, at most every `every` steps; `apply` swaps the fetched ones in between training
+    chunks (the training thread reads the copies).
+    """
+
+    def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int) -> None:
+        self.node, self.block, self.earlier, self.every = node, block, earlier, every
+        self.announced: dict[int, dict[str, Version]] = {b: {} for b in range(block)} if earlier else {}
+        self.held: dict[int, Version] = {}
+        self.pending: dict[int, SharedState] = {}
+        self.refreshed_at: int | None = None  # the step of the last refresh that fetched something
+        self.fetching: asyncio.Task | None = None
+        self.fetches, self.bytes = 0, 0
+
+    def note(self, peer: str, block: int, version: Version) -> None:
+        if block in self.announced:
+            self.announced[block][peer] = version
+
+    def refresh(self, step: int) -> asyncio.Task | None:
+        """Start fetching the earlier blocks that have a preferred version, if a refresh is due."""
+        if not self.announced or (self.fetching and not self.fetching.done()):
+            return None
+        if self.refreshed_at is not None and step - self.refreshed_at < self.every:
+            return None
+        wanted = {}
+        for b, peers in self.announced.items():
+            live = {p: v for p, v in peers.items() if p in self.node.conns}
+            best = None
+            for version in live.values():
+                if best is None or version.preferred_over(best):
+                    best = version
+            if best is not None and best.samples and best != self.held.get(b):  # (0 samples: genesis)
+                wanted[b] = [p for p, v in live.items() if v == best]
+        if not wanted:
+            return None
+        self.refreshed_at = step
+        self.fetching = self.node.spawn(self._fetch(wanted))
+        return self.fetching
+
+    async def _fetch(self, wanted: dict[int, list[str]]) -> None:
+        for b, holders in wanted.items():
+            n_params = sum(p.numel() for p in self.earlier.blocks[b].parameters())
+            while holders:
+                donor = pick_donor(self.node.id, holders)
+                holders.remove(donor)
+                conn = self.node.conns.get(donor)
+                if conn is None:
+                    continue
+                try:
+                    run_cfg, state = await request_state(conn, b, n_params)
+                    if not same_run(run_cfg, self.earlier.cfg):
+                        raise ValueError("its model or noise schedule differs from this node's")
+                except (PeerGone, ProtocolError, ValueError, TypeError) as exc:
+                    log.warning("block %d from %s refused: %s", b, donor[:8], exc)
+                    continue
+                self.pending[b] = state
+                self.fetches += 1
+                self.bytes += state.flat().numel() * 4
+                break
+
+    def apply(self) -> None:
+        """Swap the fetched earlier blocks in (only between training chunks)."""
+        for b, state in sorted(self.pending.items()):
+            self.earlier.replace(b, state.params, state.version.to_wire())
+            self.held[b] = state.version
+            log.info("block %d now reads block %d at round %d (state %s)", self.block, b, state.version.round,
+                     state.version.hash[:12])
+        self.pending.clear()
+
+    def status(self) -> dict:
+        return {"reads": self.earlier.versions if self.earlier else {}, "fetches": self.fetches,
+                "bytes": self.bytes}
+
+
 class BlockWorker:
     def __init__(self, node: Node, cfg: RunConfig, averaging: AveragingConfig, block: int, data: torch.Tensor,
                  out: Path) -> None:
-        if cfg.train.block_input != "noised":
-            raise ValueError("a swarm node trains its block on noised inputs (--block-input noised): chain-state "
-                             "training reads the earlier blocks, and in a swarm blocks never wait for each other")
-        if cfg.model.channel != "z" and cfg.model.n_blocks > 1:
-            raise ValueError("a swarm node trains blocks that read only z (--channel z): the relay channel reads "
-                             "the earlier blocks, which swarm nodes do not fetch yet")
-        if not 0 <= block < cfg.model.n_blocks:
-            raise ValueError(f"--block {block} is outside 0..{cfg.model.n_blocks - 1}")
         self.node, self.cfg, self.avg, self.block, self.data = node, cfg, averaging, block, data
         self.path = Path(out) / f"worker-{block}.safetensors"
-        self.module = genesis_block(cfg, block)  # every replica starts from the same genesis state
+        # every replica starts from the same genesis state; the earlier blocks it reads, from theirs
+        self.module, self.loss_fn, self.earlier = block_trainer(cfg, block, None, torch.device("cpu"))
         self.opt = make_optimizer(self.module, cfg)
-        self.loss_fn = block_loss(self.module, cfg, block, make_codebook(cfg.model))
+        self.upstream = Upstream(node, block, self.earlier, cfg.train.refresh_every or averaging.every)
         # each replica draws its own batches and noise
         node_seed = int(node.id[:8], 16)
         self.gen = torch.Generator().manual_seed(cfg.train.seed ^ node_seed)
@@ -85,9 +163,10 @@ class BlockWorker:
         self.n_params = sum(p.numel() for p in self.module.parameters())
         state = self._resume() if self.path.exists() else self._genesis()
         self.fresh = state.version.round == 0 and self.step == 0
-        # reached its state by a round (or genesis) and still training: not a fetch, a restart or done
-        self.synced = self.fresh
-        self.replica = Replica(node.id, state, averaging)
+        # synced: reached its state by a round (or genesis) and still training, not by a fetch, a
+        # restart, or done; what it keeps of its own tensors went through the wire codec, as peers see them
+        self.replica = Replica(node.id, state, averaging, synced=self.fresh,
+                               wire=lambda t: through_codec(t, CODECS[averaging.codec], self.compression))
         self.pending: SharedState | None = None  # a fetched state to adopt between training chunks
         self.fetching = False
         self.serving = 0
@@ -95,7 +174,8 @@ class BlockWorker:
         self.done = False
         self.history: list[dict] = []  # the last rounds: how many updates, how long this node waited
         self.changed = asyncio.Event()
-        node.handlers.update(update=self.on_update, version=self.on_version, state_get=self.on_state_get)
+        self.averager = Averager(node, block, self.replica, averaging.codec, self.compression, self.changed)
+        node.handlers.update(version=self.on_version, state_get=self.on_state_get)
         node.peer_hooks.append(self.on_peer)
         node.status_parts["training"] = self.status
         node.line_parts.append(self.status_line)
@@ -121,7 +201,8 @@ class BlockWorker:
             tensors["momentum"] = state.momentum.contiguous()
         tensors.update(optimizer_tensors(self.opt))
         meta = {"version": json.dumps(state.version.to_wire()), "step": str(self.step), "block": str(self.block),
-                "loss": repr(self.loss), "config": self.cfg.to_json()}
+                "loss": repr(self.loss), "config": self.cfg.to_json(),
+                "reads": json.dumps(self.upstream.status()["reads"])}
         atomic_write(self.path, save_safetensors(tensors, metadata=meta))
 
     def _resume(self) -> SharedState:
@@ -155,31 +236,33 @@ class BlockWorker:
 
     async def run(self) -> None:
         """Train to cfg.train.steps in rounds of `every` local steps, then keep serving the state."""
-        if self.fresh:  # a joiner hears the holders' versions and syncs before its first step
+        if self.fresh or self.earlier:  # hear the holders' versions, and sync, before the first step
             for _ in range(int(JOIN_WAIT_S / 0.1)):
                 if self.node.conns:
                     break
                 await asyncio.sleep(0.1)
             await asyncio.sleep(JOIN_SETTLE_S)
-            fetch = self._settle_fetch()
-            if fetch is not None:
-                await fetch
-                self._adopt_pending()
+            fetches = [task for task in (self._settle_fetch() if self.fresh else None,
+                                         self.upstream.refresh(self.step)) if task is not None]
+            await asyncio.gather(*fetches)
+            self._adopt_pending()
             self.fresh = False
-        t, sends = self.cfg.train, []
+        t = self.cfg.train
         while self.step < t.steps:
             self._adopt_pending()
             n = min(self.avg.every, t.steps - self.step)
             started = self.step
             await asyncio.to_thread(self._train_steps, n)
             self._adopt_pending()
-            delta = through_codec(self.params() - self.replica.state.params, CODECS[self.avg.codec], self.compression)
-            own = self.replica.submit(delta, (self.step - started) * t.batch, time.monotonic())
-            sends = [self.node.spawn(self._send_update(conn, own)) for conn in self.node.peers_holding(self.block)]
-            await self._finish_round()
+            closed = await self.averager.round(self.params() - self.replica.state.params,
+                                               (self.step - started) * t.batch, self._preferred_pending)
+            if closed is None:
+                self._adopt_pending()  # this round was on the old state; the progress is rebased
+            else:
+                await self._closed(closed)
         self.done = True
-        self.synced = False  # no more rounds from this node: peers must not wait for it
-        await asyncio.gather(*sends, return_exceptions=True)  # (after its last update, not overtaking it)
+        self.replica.synced = False  # no more rounds from this node: peers must not wait for it
+        await self.averager.flush()  # (after its last update, not overtaking it)
         await self._announce()
         log.info("block %d: trained %d steps in %d rounds; still serving its state", self.block, self.step,
                  self.replica.counters.rounds)
@@ -204,41 +287,32 @@ class BlockWorker:
             self.loss, self.ce = loss, ce
             self.step += 1
 
-    async def _finish_round(self) -> None:
-        """Wait for the round to close (peers in, or the deadline), or for a preferred state to adopt."""
-        while True:
-            self.changed.clear()
-            if self.pending is not None and self.replica.wants(self.pending.version):
-                self._adopt_pending()  # this round was on the old state; the progress is rebased
-                return
-            gone = {p for p in self.replica.expected if p not in self.node.conns or self.node.conns[p].closed}
-            now = time.monotonic()
-            if self.replica.can_close(now, gone):
-                waited = now - self.replica.ready_at
-                closed = self.replica.close()
-                self.history.append({"round": closed.state.version.round - 1, "updates": len(closed.contributors),
-                                     "waited_s": round(waited, 3)})
-                del self.history[:-HISTORY]
-                self.synced = True
-                self.set_params(closed.state.params)
-                self.save()
-                with self.path.with_suffix(".history.jsonl").open("a") as f:  # the loss history, kept whole
-                    f.write(json.dumps({**self.history[-1], "step": self.step, "loss": self.loss, "ce": self.ce,
-                                        "time": time.time()}) + "\n")
-                log.info("block %d round %d closed with %d update(s); state %s", self.block, closed.state.version.round,
-                         len(closed.contributors), closed.state.version.hash[:12])
-                await self._announce()
-                self._settle_fetch()  # a peer may have closed this round differently
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), max(0.01, self.replica.deadline() - now))
+    def _preferred_pending(self) -> bool:
+        return self.pending is not None and self.replica.wants(self.pending.version)
+
+    async def _closed(self, closed: Closed) -> None:
+        """After a round: the new state, checkpointed, logged, announced; then what peers may have."""
+        waited = time.monotonic() - closed.ready_at
+        self.history.append({"round": closed.state.version.round - 1, "updates": len(closed.contributors),
+                             "waited_s": round(waited, 3)})
+        del self.history[:-HISTORY]
+        self.set_params(closed.state.params + closed.carry)  # (carry: this node's progress not averaged)
+        self.save()
+        with self.path.with_suffix(".history.jsonl").open("a") as f:  # the loss history, kept whole
+            f.write(json.dumps({**self.history[-1], "step": self.step, "loss": self.loss, "ce": self.ce,
+                                "time": time.time()}) + "\n")
+        log.info("block %d round %d closed with %d update(s); state %s", self.block, closed.state.version.round,
+                 len(closed.contributors), closed.state.version.hash[:12])
+        await self._announce()
+        self._settle_fetch()  # a peer may have closed this round differently
+        self.upstream.refresh(self.step)
 
     def _adopt_pending(self) -> None:
+        self.upstream.apply()
         state, self.pending = self.pending, None
         if state is None or not self.replica.wants(state.version):
             return
         self.set_params(self.replica.adopt(state, self.params()))
-        self.synced = False
         self.save()
         log.info("block %d adopted state %s of round %d (%d samples)", self.block, state.version.hash[:12],
                  state.version.round, state.version.samples)
@@ -246,32 +320,21 @@ class BlockWorker:
 
     # --- messages -----------------------------------------------------------------------------------
 
-    async def _send_update(self, conn: Connection, own: Update) -> None:
-        with contextlib.suppress(PeerGone):
-            stream = await conn.send_tensor(own.delta, CODECS[self.avg.codec], self.compression)
-            await conn.send(messages.Update(block=self.block, round=own.round, base=own.base, samples=own.samples,
-                                            stream=stream))
-
     async def _announce(self) -> None:
-        for conn in self.node.peers_holding(self.block):
+        for conn in list(self.node.conns.values()):
             await self.on_peer(conn)
 
     async def on_peer(self, conn: Connection) -> None:
-        """Tell a same-block peer which state this node holds."""
-        if self.block in conn.hello.blocks:
+        """Tell a same-block peer which state this node holds, and a peer of a later block that reads it."""
+        readers = reads_earlier(self.cfg) and any(b > self.block for b in conn.hello.blocks)
+        if self.block in conn.hello.blocks or readers:
             with contextlib.suppress(PeerGone):
                 await conn.send(messages.Version(block=self.block, **self.replica.state.version.to_wire(),
-                                                 synced=self.synced))
-
-    async def on_update(self, conn: Connection, msg: messages.Message) -> None:
-        if msg.block != self.block:
-            log.warning("update from %s is for block %d; this node trains block %d", conn.label[:8], msg.block,
-                        self.block)
-            return
-        self.replica.offer(Update(conn.label, msg.round, msg.base, msg.samples, msg.tensor))
-        self.changed.set()
+                                                 synced=self.replica.synced))
 
     async def on_version(self, conn: Connection, msg: messages.Message) -> None:
+        if msg.block < self.block:
+            self.upstream.note(conn.label, msg.block, Version(msg.round, msg.samples, msg.hash))
         if msg.block != self.block:
             return
         self.replica.note_version(conn.label, Version(msg.round, msg.samples, msg.hash), msg.synced)
@@ -346,7 +409,8 @@ class BlockWorker:
         return {"block": self.block, "step": self.step, "steps": self.cfg.train.steps, "loss": self.loss, "ce": self.ce,
                 "round": v.round, "version": v.to_wire(), "done": self.done, "served": self.served,
                 "counters": self.replica.counters.as_dict(), "averaging": dict(self.avg.__dict__),
-                "n_blocks": self.cfg.model.n_blocks, "params": self.n_params, "history": self.history}
+                "n_blocks": self.cfg.model.n_blocks, "params": self.n_params, "history": self.history,
+                "earlier": self.upstream.status()}
 
     def status_line(self) -> str:
         v = self.replica.state.version

@@ -1,4 +1,4 @@
-"""The message set of protocol version 2: every type, its fields and their types, in one schema.
+"""The message set of protocol version 3: every type, its fields and their types, in one schema.
 
 On the wire a message is a msgpack map with "t" (the type) and "id" (the sender's message id,
 unique per connection); a reply carries "re", the id it answers. Fields not listed here are ignored
@@ -19,7 +19,7 @@ import torch
 
 from .errors import ProtocolError
 
-VERSION = 2
+VERSION = 3
 
 # kind of each field; a trailing "?" marks it optional
 SCHEMAS: dict[str, dict[str, str]] = {
@@ -44,10 +44,15 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # bandwidth probe: the sender streamed tensors; the receiver acknowledges what it got
     "probe": {"streams": "list"},
     "probe_reply": {"elements": "uint", "bytes": "uint"},
-    # averaging same-block updates (spheroid/averaging.py): the delta or state tensor travels first
-    # as a stream on the same connection, then the message that names it
+    # averaging same-block updates (spheroid/averaging.py), a butterfly all-reduce: "update" is the
+    # part [lo, hi) of the sender's update, for the member that owns that range; "reduced" is that
+    # owner's average of the range. The tensor travels first as a stream on the same connection,
+    # then the message that names it
     "version": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "synced": "bool"},
-    "update": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "stream": "uint"},
+    "update": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
+               "stream": "uint"},
+    "reduced": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
+                "contributors": "list", "stream": "uint"},
     "state_get": {"block": "uint"},
     "state_reply": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "stream": "uint",
                     "config": "map"},
@@ -71,7 +76,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
 COMMON = {"t": "str", "id": "uint", "re": "uint?"}
 # messages that name streams which arrived before them: the field naming them, and the field the
 # receiving session attaches the finished tensors under (a list of them for "probe")
-STREAM_FIELDS = {"update": ("stream", "tensor"), "state_reply": ("stream", "tensor"), "hop": ("z", "tensor"),
+STREAM_FIELDS = {"update": ("stream", "tensor"), "reduced": ("stream", "tensor"), "state_reply": ("stream", "tensor"),
+                 "hop": ("z", "tensor"),
                  "probe": ("streams", "tensors")}
 
 # a peer entry inside peers_reply, which lists at most this many (a random sample)
@@ -175,7 +181,8 @@ Hello, Auth, Ping, Pong = MESSAGES["hello"], MESSAGES["auth"], MESSAGES["ping"],
 Peers, PeersReply, Status, StatusReply = (MESSAGES[k] for k in ("peers", "peers_reply", "status", "status_reply"))
 StreamBegin, StreamChunk, Probe, ProbeReply = (MESSAGES[k] for k in ("stream_begin", "stream_chunk", "probe",
                                                                      "probe_reply"))
-Version, Update, StateGet, StateReply = (MESSAGES[k] for k in ("version", "update", "state_get", "state_reply"))
+Version, Update, Reduced, StateGet, StateReply = (MESSAGES[k] for k in ("version", "update", "reduced", "state_get",
+                                                                         "state_reply"))
 Generate, GenBytes, GenDone, Score, ScoreReply = (MESSAGES[k] for k in ("generate", "gen_bytes", "gen_done", "score",
                                                                         "score_reply"))
 Hop, HopDone, HopError = MESSAGES["hop"], MESSAGES["hop_done"], MESSAGES["hop_error"]

@@ -1,0 +1,218 @@
+"""One averaging round among N local processes on loopback: spheroid's butterfly against gloo.
+
+For each N in --procs it runs N processes twice, on 127.0.0.1, with the same tensors:
+
+  spheroid  each process is a real node (TCP, the v3 handshake, msgpack frames, the wire codec)
+            holding one replica of a block of --params float32 values; the nodes form a full mesh,
+            then run rounds of spheroid/node/averager.py: reduce-scatter of the updates' parts to
+            their owners, the owners' averages back to everyone, the outer step, the state's hash
+  gloo      torch.distributed with the gloo backend: all_reduce (sum) of the same update, then a
+            division by N (the average)
+
+Every round starts at one wall-clock instant in all processes (each waits for it), after one
+untimed warm-up round. The time of a round is from that instant to the last process's end; the
+table gives the median over --rounds. Bytes sent per node: what the kernel counted on the loopback
+interface (/proc/net/dev, "lo") during the timed rounds, divided by N, the same count for both; and
+for spheroid, the nodes' own counters of wire bytes sent. Nothing else should use loopback while
+this runs. The ratio columns put spheroid against gloo, measured in the same run.
+
+    python bench/averaging.py [--procs 2,4,8] [--params 4194304] [--rounds 5] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from spheroid.averaging import AveragingConfig, Replica, SharedState  # noqa: E402
+from spheroid.config import NodeConfig  # noqa: E402
+from spheroid.launch import free_ports  # noqa: E402
+from spheroid.node.averager import Averager  # noqa: E402
+from spheroid.node.identity import load_or_create  # noqa: E402
+from spheroid.node.node import Node  # noqa: E402
+
+log = logging.getLogger("bench.averaging")
+
+
+def loopback_tx_bytes() -> int:
+    """Bytes the kernel sent on the loopback interface so far."""
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == "lo":
+            return int(counters.split()[8])  # receive has 8 fields, then transmit bytes
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def update(rank: int, round_: int, params: int) -> torch.Tensor:
+    """The update a process contributes to a round: the same in both systems."""
+    return torch.randn(params, generator=torch.Generator().manual_seed(1000 * rank + round_)) * 0.01
+
+
+async def sleep_until(t: float) -> None:
+    await asyncio.sleep(max(0.0, t - time.time()))
+
+
+# --- one process ---------------------------------------------------------------------------------
+
+
+async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
+    ports = [int(p) for p in a.ports.split(",")]
+    cfg = NodeConfig(listen=f"127.0.0.1:{ports[a.rank]}", peers=tuple(f"127.0.0.1:{p}" for p in ports[:a.rank]),
+                     identity=str(folder / f"node-{a.rank}.json"), role="bench", blocks=(0,))
+    ident = load_or_create(cfg.identity)
+    node = Node(cfg, ident)
+    await node.start()
+    try:
+        while len([c for c in node.conns.values() if not c.closed]) < a.n - 1:  # the full mesh
+            await asyncio.sleep(0.05)
+        genesis = torch.randn(a.params, generator=torch.Generator().manual_seed(0))
+        replica = Replica(node.id, SharedState.create(0, 0, genesis, None), AveragingConfig(wait=a.interval),
+                          expected=set(node.conns))
+        averager = Averager(node, 0, replica, "fp32", "none")
+        rounds, sent = [], 0
+        for r in range(-1, a.rounds):  # round -1: the warm-up
+            start = a.start + (r + 1) * a.interval
+            await sleep_until(start)
+            if r == 0:
+                await averager.flush()
+                sent = node.traffic.totals()["sent"]["wire_bytes"]
+            closed = await averager.round(update(a.rank, r, a.params), 8)
+            rounds.append({"start": start, "end": time.time(), "contributors": len(closed.contributors),
+                           "missing": closed.missing, "hash": closed.state.version.hash})
+        await averager.flush()
+        sent = node.traffic.totals()["sent"]["wire_bytes"] - sent
+        await sleep_until(a.start + (a.rounds + 1) * a.interval)  # the others may still be sending to it
+        return {"rounds": rounds[1:], "sent_bytes_per_round": sent / a.rounds}
+    finally:
+        await node.stop()
+        ident.release()
+
+
+def gloo_member(a: argparse.Namespace) -> dict:
+    import torch.distributed as dist
+
+    port = int(a.ports.split(",")[0])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=a.rank, world_size=a.n)
+    try:
+        rounds = []
+        for r in range(-1, a.rounds):
+            start = a.start + (r + 1) * a.interval
+            time.sleep(max(0.0, start - time.time()))
+            x = update(a.rank, r, a.params)
+            dist.all_reduce(x)
+            x /= a.n
+            rounds.append({"start": start, "end": time.time()})
+        dist.barrier()
+        return {"rounds": rounds[1:]}
+    finally:
+        dist.destroy_process_group()
+
+
+# --- one configuration ---------------------------------------------------------------------------
+
+
+def run(kind: str, n: int, params: int, rounds: int, interval: float, setup_s: float) -> dict:
+    """N processes of one kind; their per-round times and the loopback bytes of the timed rounds."""
+    ports = free_ports(n)
+    start = time.time() + setup_s
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for rank in range(n):
+            out = Path(tmp) / f"{rank}.json"
+            cmd = [sys.executable, __file__, "--member", kind, "--rank", str(rank), "--n", str(n), "--ports",
+                   ",".join(map(str, ports)), "--params", str(params), "--rounds", str(rounds), "--start",
+                   repr(start), "--interval", str(interval), "--member-out", str(out), "--folder", tmp]
+            procs.append((subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}), out))
+        first = start + interval  # after the warm-up round
+        time.sleep(max(0.0, first - 0.05 - time.time()))
+        tx0 = loopback_tx_bytes()
+        time.sleep(max(0.0, first + rounds * interval - 0.05 - time.time()))
+        tx1 = loopback_tx_bytes()
+        results = []
+        for proc, out in procs:
+            if proc.wait(timeout=setup_s + (rounds + 3) * interval + 60) != 0:
+                raise RuntimeError(f"a {kind} process failed (exit {proc.returncode})")
+            results.append(json.loads(out.read_text()))
+    times = [max(m["rounds"][r]["end"] for m in results) - results[0]["rounds"][r]["start"] for r in range(rounds)]
+    late = [t for t in times if t > interval]
+    if late:
+        raise RuntimeError(f"{kind} rounds took {max(late):.2f}s, longer than --interval {interval}: raise it")
+    row = {"system": kind, "procs": n, "round_s": statistics.median(times), "round_s_all": times,
+           "loopback_bytes_per_node": (tx1 - tx0) / n / rounds}
+    if kind == "spheroid":
+        row["node_bytes_per_node"] = statistics.mean(m["sent_bytes_per_round"] for m in results)
+        row["agree"] = all(len({m["rounds"][r]["hash"] for m in results}) == 1 for r in range(rounds))
+        row["complete"] = all(r["missing"] == 0 and r["contributors"] == n for m in results for r in m["rounds"])
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--procs", default="2,4,8", help="process counts, comma-separated")
+    parser.add_argument("--params", type=int, default=1 << 22, help="float32 values averaged (default 16 MiB)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--interval", type=float, default=3.0, help="seconds between round starts")
+    parser.add_argument("--setup-s", type=float, default=None, help="seconds for the processes to start and meet")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/averaging.json"))
+    # one process of a run (internal)
+    parser.add_argument("--member", choices=["spheroid", "gloo"], help=argparse.SUPPRESS)
+    for name, kind in (("--rank", int), ("--n", int), ("--ports", str), ("--start", float),
+                       ("--member-out", Path), ("--folder", Path)):
+        parser.add_argument(name, type=kind, help=argparse.SUPPRESS)
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if a.member else logging.INFO,
+                        format="%(asctime)s %(name)s: %(message)s")
+    if a.member:
+        torch.set_num_threads(1)
+        result = (asyncio.run(spheroid_member(a, a.folder)) if a.member == "spheroid" else gloo_member(a))
+        a.member_out.write_text(json.dumps(result))
+        return result
+
+    rows = []
+    for n in [int(x) for x in a.procs.split(",")]:
+        setup = a.setup_s if a.setup_s is not None else 5.0 + 1.0 * n
+        for kind in ("gloo", "spheroid"):
+            log.info("%s, %d processes, %d values, %d rounds", kind, n, a.params, a.rounds)
+            rows.append(run(kind, n, a.params, a.rounds, a.interval, setup))
+    tensor_bytes = 4 * a.params
+    table = []
+    for n in sorted({r["procs"] for r in rows}):
+        gloo = next(r for r in rows if r["procs"] == n and r["system"] == "gloo")
+        ours = next(r for r in rows if r["procs"] == n and r["system"] == "spheroid")
+        table.append({"procs": n, "gloo_round_s": gloo["round_s"], "spheroid_round_s": ours["round_s"],
+                      "time_ratio": ours["round_s"] / gloo["round_s"],
+                      "gloo_bytes_per_node": gloo["loopback_bytes_per_node"],
+                      "spheroid_bytes_per_node": ours["loopback_bytes_per_node"],
+                      "spheroid_bytes_over_tensor": ours["loopback_bytes_per_node"] / tensor_bytes,
+                      "gloo_bytes_over_tensor": gloo["loopback_bytes_per_node"] / tensor_bytes,
+                      "agree": ours["agree"], "complete": ours["complete"]})
+    result = {"params": a.params, "tensor_bytes": tensor_bytes, "rounds": a.rounds, "table": table, "runs": rows,
+              "cpus": os.cpu_count(), "torch": torch.__version__}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2))
+    print(f"\none averaging round of {tensor_bytes / 2**20:.0f} MiB (float32), median of {a.rounds}; bytes sent "
+          f"per node on loopback, as a multiple of the tensor")
+    print(f"{'procs':>5} | {'gloo s':>7} | {'spheroid s':>10} | {'ratio':>5} | {'gloo x':>6} | {'spheroid x':>10} | "
+          f"replicas agree")
+    for t in table:
+        print(f"{t['procs']:>5} | {t['gloo_round_s']:>7.3f} | {t['spheroid_round_s']:>10.3f} | {t['time_ratio']:>5.2f} "
+              f"| {t['gloo_bytes_over_tensor']:>6.2f} | {t['spheroid_bytes_over_tensor']:>10.2f} | "
+              f"{'yes' if t['agree'] and t['complete'] else 'NO'}")
+    print(f"\nJSON: {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

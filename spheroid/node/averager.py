@@ -1,0 +1,94 @@
+"""The asyncio side of a block's averaging rounds: it moves parts and averaged ranges between the
+`Replica` (spheroid/averaging.py, which decides everything) and the same-block peers.
+
+One round: submit this node's update, stream each part to the member owning its range, average
+this node's range once its parts are in (or half the deadline passed) and stream the result to
+the group, then close when every range is in (or the deadline passed). A node's training loop
+(worker.py) calls `round`; bench/averaging.py calls it with synthetic updates to time it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..averaging import CODECS, Closed, Part, Reduced, Replica
+from ..wire import messages
+from .connection import Connection, PeerGone
+from .node import Node
+
+log = logging.getLogger(__name__)
+
+
+class Averager:
+    def __init__(self, node: Node, block: int, replica: Replica, codec: str, compression: str,
+                 changed: asyncio.Event | None = None) -> None:
+        self.node, self.block, self.replica = node, block, replica
+        self.codec, self.compression = CODECS[codec], compression
+        self.changed = changed or asyncio.Event()  # set whenever something arrives that may end a wait
+        self.sends: list[asyncio.Task] = []
+        node.handlers.update(update=self.on_update, reduced=self.on_reduced)
+
+    async def round(self, delta: torch.Tensor, samples: int, interrupt: Callable[[], bool] = lambda: False
+                    ) -> Closed | None:
+        """One round with this node's update; the closed round, or None if `interrupt()` became true
+        first (a preferred state to adopt: the round was on the old one)."""
+        parts = self.replica.submit(delta, samples, time.monotonic())
+        self.sends = [self.node.spawn(self._send(owner, part)) for owner, part in parts.items()]
+        while True:
+            self.changed.clear()
+            if interrupt():
+                return None
+            now = time.monotonic()
+            if self.replica.can_reduce(now):
+                mine = self.replica.reduce()
+                self.sends += [self.node.spawn(self._send(peer, mine)) for peer in self.replica.targets()]
+            gone = {p for p in self.replica.ranges if p != self.node.id and not self.connected(p)}
+            if self.replica.can_close(now, gone):
+                return self.replica.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), max(0.01, self.replica.deadline() - now))
+
+    async def flush(self) -> None:
+        """Wait for this node's last sends (so that a final update is not overtaken)."""
+        await asyncio.gather(*self.sends, return_exceptions=True)
+
+    def connected(self, peer: str) -> bool:
+        conn = self.node.conns.get(peer)
+        return conn is not None and not conn.closed
+
+    async def _send(self, peer: str, what: Part | Reduced) -> None:
+        """A part of this node's update to the owner of its range, or this node's averaged range to a peer."""
+        conn = self.node.conns.get(peer)
+        if conn is None:
+            return  # gone: its range is missing this round, or it will miss this one
+        with contextlib.suppress(PeerGone):
+            stream = await conn.send_tensor(what.delta, self.codec, self.compression)
+            fields = {"block": self.block, "round": what.round, "base": what.base, "samples": what.samples,
+                      "lo": what.lo, "hi": what.hi, "stream": stream}
+            if isinstance(what, Part):
+                await conn.send(messages.Update(**fields))
+            else:
+                await conn.send(messages.Reduced(**fields, contributors=what.contributors))
+
+    async def on_update(self, conn: Connection, msg: messages.Message) -> None:
+        if msg.block != self.block:
+            log.warning("update from %s is for block %d; this node trains block %d", conn.label[:8], msg.block,
+                        self.block)
+            return
+        self.replica.offer(Part(conn.label, msg.round, msg.base, msg.samples, msg.lo, msg.hi, msg.tensor))
+        self.changed.set()
+
+    async def on_reduced(self, conn: Connection, msg: messages.Message) -> None:
+        if msg.block != self.block or not all(isinstance(c, str) for c in msg.contributors):
+            log.warning("reduced range from %s refused: block %d, or contributors that are not node ids",
+                        conn.label[:8], msg.block)
+            return
+        self.replica.offer(Reduced(conn.label, msg.round, msg.base, msg.lo, msg.hi, list(msg.contributors),
+                                   msg.samples, msg.tensor))
+        self.changed.set()
