@@ -41,7 +41,7 @@ from spheroid.config import NodeConfig  # noqa: E402
 from spheroid.launch import free_ports  # noqa: E402
 from spheroid.node.averager import Averager  # noqa: E402
 from spheroid.node.identity import load_or_create  # noqa: E402
-from spheroid.node.node import Node  # noqa: E402
+from spheroid.node.node import Node, tune_allocator  # noqa: E402
 
 log = logging.getLogger("bench.averaging")
 
@@ -84,11 +84,12 @@ async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
         rounds, sent = [], 0
         for r in range(-1, a.rounds):  # round -1: the warm-up
             start = a.start + (r + 1) * a.interval
+            delta = update(a.rank, r, a.params)
             await sleep_until(start)
             if r == 0:
                 await averager.flush()
                 sent = node.traffic.totals()["sent"]["wire_bytes"]
-            closed = await averager.round(update(a.rank, r, a.params), 8)
+            closed = await averager.round(delta, 8)
             rounds.append({"start": start, "end": time.time(), "contributors": len(closed.contributors),
                            "missing": closed.missing, "hash": closed.state.version.hash})
         await averager.flush()
@@ -109,8 +110,8 @@ def gloo_member(a: argparse.Namespace) -> dict:
         rounds = []
         for r in range(-1, a.rounds):
             start = a.start + (r + 1) * a.interval
-            time.sleep(max(0.0, start - time.time()))
             x = update(a.rank, r, a.params)
+            time.sleep(max(0.0, start - time.time()))
             dist.all_reduce(x)
             x /= a.n
             rounds.append({"start": start, "end": time.time()})
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
                         format="%(asctime)s %(name)s: %(message)s")
     if a.member:
         torch.set_num_threads(1)
+        tune_allocator()  # as `spheroid node` does (both systems: it is only glibc's heap)
         result = (asyncio.run(spheroid_member(a, a.folder)) if a.member == "spheroid" else gloo_member(a))
         a.member_out.write_text(json.dumps(result))
         return result

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,7 +102,7 @@ class Version:
 
 def state_hash(flat: torch.Tensor) -> str:
     """sha256 of a flat float32 state vector, as hex: what replicas compare to agree."""
-    return hashlib.sha256(flat.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(flat.detach().to(torch.float32).contiguous().numpy()).hexdigest()  # (no copy)
 
 
 @dataclass
@@ -184,7 +185,7 @@ class Closed:
     state: SharedState
     contributors: list[str]  # senders whose parts were averaged in every range
     rejected: dict[str, str]  # sender -> reason, for parts refused at reducing time
-    carry: torch.Tensor  # (P,) this replica's own update where it was not averaged: local progress
+    carry: torch.Tensor | None  # (P,) this replica's own update where it was not averaged (None: nowhere)
     missing: int  # ranges that did not arrive by the deadline
     ready_at: float  # when this replica's own update was in
 
@@ -306,7 +307,7 @@ class Replica:
             return f"range {m.lo}:{m.hi} outside the block's {self.n_params} values"
         if m.samples < 1:
             return "no samples behind it"
-        if not torch.isfinite(m.delta).all():
+        if not math.isfinite(float(m.delta.sum(dtype=torch.float64))):  # (float64: finite iff every value is)
             return "NaN or Inf in it"
         if m.round < self.round:
             return "late" if m.round == self.round - 1 else "stale round"
@@ -384,7 +385,7 @@ class Replica:
     def close(self) -> Closed:
         """Assemble the averaged ranges, apply the outer step, move to the next round's shared state."""
         average = torch.zeros_like(self.state.params)
-        carry = torch.zeros_like(self.state.params)
+        carry = None
         contributors: set[str] | None = None
         samples = []
         for owner, (lo, hi) in self.ranges.items():
@@ -393,8 +394,9 @@ class Replica:
                 average[lo:hi] = got.delta
                 samples.append(got.samples)
                 contributors = set(got.contributors) if contributors is None else contributors & set(got.contributors)
-            if got is None or self.me not in got.contributors:
-                carry[lo:hi] = self.own[lo:hi]  # not averaged: stays this replica's local progress
+            if got is None or self.me not in got.contributors:  # not averaged: stays this replica's progress
+                carry = torch.zeros_like(average) if carry is None else carry
+                carry[lo:hi] = self.own[lo:hi]
         missing = set(self.ranges) - set(self.reduced)  # their owners are not in step with this replica
         self.counters.missing += len(missing)
         used = sorted((contributors or set()) - missing)
@@ -412,7 +414,7 @@ class Replica:
         """New parameters from the averaged update: plain averaging, or Nesterov momentum on it."""
         base = self.state.params
         if self.cfg.outer == "average":
-            return base + average, None
+            return average.add_(base), None  # (in place: `average` is this round's own buffer)
         momentum = self.state.momentum if self.state.momentum is not None else torch.zeros_like(base)
         momentum = self.cfg.outer_momentum * momentum + average
         return base + self.cfg.outer_lr * (average + self.cfg.outer_momentum * momentum), momentum

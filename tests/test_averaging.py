@@ -77,7 +77,7 @@ def test_average_is_exact_when_every_range_arrives():
         torch.testing.assert_close(c.state.params, expected, rtol=0, atol=1e-6)
         assert c.state.version.round == 1 and c.state.version.samples == 192
         assert sorted(c.contributors) == sorted(r.me for r in group)
-        assert c.missing == 0 and not c.carry.any()
+        assert c.missing == 0 and c.carry is None
     assert len({c.state.version.hash for c in closed}) == 1  # bit-identical on every replica
     assert closed[0].state.version.hash == state_hash(closed[0].state.params)
 
@@ -355,7 +355,7 @@ class Sim:
         ready = r.ready_at
         closed = r.close()
         self.closes.append((r.me, closed.state.version.round - 1, ready, self.now, len(closed.contributors)))
-        self.local[r.me] = closed.state.params + closed.carry
+        self.local[r.me] = closed.state.params + (0 if closed.carry is None else closed.carry)
         for peer in self.group:
             if peer is not r:
                 self.at(self.latency, self.announce, peer, r, closed.state.version, True)

@@ -296,7 +296,8 @@ class BlockWorker:
         self.history.append({"round": closed.state.version.round - 1, "updates": len(closed.contributors),
                              "waited_s": round(waited, 3)})
         del self.history[:-HISTORY]
-        self.set_params(closed.state.params + closed.carry)  # (carry: this node's progress not averaged)
+        local = closed.state.params if closed.carry is None else closed.state.params + closed.carry
+        self.set_params(local)  # (carry: this node's progress that was not averaged)
         self.save()
         with self.path.with_suffix(".history.jsonl").open("a") as f:  # the loss history, kept whole
             f.write(json.dumps({**self.history[-1], "step": self.step, "loss": self.loss, "ce": self.ce,
