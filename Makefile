@@ -16,7 +16,7 @@ SPHEROID := $(VENV)/bin/spheroid
 # blocks at once (each reads the earlier blocks from their holders); beside it, with the same model
 # flags, the reference one block deep (the best one worker could do alone)
 DEMO_OUT ?= runs/demo
-DEMO_MODEL ?= --steps 600 --d-model 64 --context 64 --batch 32
+DEMO_MODEL ?= --steps 600 --d-model 64 --context 64 --batch 32 --layers-per-block 1 --lr 2e-3
 DEMO_FLAGS ?= $(DEMO_MODEL) --every 20
 STAMP := $(VENV)/.installed
 

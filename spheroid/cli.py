@@ -439,7 +439,8 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
     click.echo(f"{results['split']}: {results['bytes']} bytes scored")
     rows = [("chain_ce_m1", "chain from noise, M = 1"), ("chain_ce", f"chain from noise, M = {draws}"),
             ("block0_alone_ce", "block 0 alone at sigma_max"), ("bound_ce", "variational bound (VDM)"),
-            ("reference_ce", f"reference, {results.get('reference_layers')} layers")]
+            ("reference_ce", f"reference, {results.get('reference_layers')} layer"
+                             f"{'' if results.get('reference_layers') == 1 else 's'}")]
     for key, label in rows:
         if key in results:
             ce = float(results[key])

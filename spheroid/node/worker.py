@@ -68,6 +68,29 @@ def same_run(a: RunConfig, b: RunConfig) -> bool:
     return a.model == b.model and a.noise == b.noise
 
 
+async def fetch_from(node: Node, holders: list[str], block: int, n_params: int, cfg: RunConfig) -> SharedState | None:
+    """Block `block`'s state from the first of `holders` (in this node's rendezvous order) that sends a
+    verified one of the same model and noise schedule; None if none does."""
+    holders = list(holders)
+    while holders:
+        donor = pick_donor(node.id, holders)
+        holders.remove(donor)
+        conn = node.conns.get(donor)
+        if conn is None:
+            continue
+        try:
+            run_cfg, state = await request_state(conn, block, n_params)
+            if not same_run(run_cfg, cfg):
+                raise ValueError("its model or noise schedule differs from this node's")
+        except (PeerGone, ProtocolError, ValueError, TypeError) as exc:
+            log.warning("state of block %d from %s refused: %s", block, donor[:8], exc)
+            continue
+        log.info("fetched block %d's state %s (round %d) from %s", block, state.version.hash[:12],
+                 state.version.round, donor[:8])
+        return state
+    return None
+
+
 class Upstream:
     """The frozen copies of the earlier blocks a worker reads, kept near the swarm's preferred versions.
 
@@ -114,23 +137,11 @@ class Upstream:
     async def _fetch(self, wanted: dict[int, list[str]]) -> None:
         for b, holders in wanted.items():
             n_params = sum(p.numel() for p in self.earlier.blocks[b].parameters())
-            while holders:
-                donor = pick_donor(self.node.id, holders)
-                holders.remove(donor)
-                conn = self.node.conns.get(donor)
-                if conn is None:
-                    continue
-                try:
-                    run_cfg, state = await request_state(conn, b, n_params)
-                    if not same_run(run_cfg, self.earlier.cfg):
-                        raise ValueError("its model or noise schedule differs from this node's")
-                except (PeerGone, ProtocolError, ValueError, TypeError) as exc:
-                    log.warning("block %d from %s refused: %s", b, donor[:8], exc)
-                    continue
+            state = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg)
+            if state is not None:
                 self.pending[b] = state
                 self.fetches += 1
                 self.bytes += state.flat().numel() * 4
-                break
 
     def apply(self) -> None:
         """Swap the fetched earlier blocks in (only between training chunks)."""
@@ -359,24 +370,10 @@ class BlockWorker:
 
     async def _fetch(self, holders: list[str]) -> None:
         try:
-            while holders:
-                donor = pick_donor(self.node.id, holders)
-                holders.remove(donor)
-                conn = self.node.conns.get(donor)
-                if conn is None:
-                    continue
-                try:
-                    run_cfg, state = await request_state(conn, self.block, self.n_params)
-                    if not same_run(run_cfg, self.cfg):
-                        raise ValueError("its model or noise schedule differs from this node's")
-                except (PeerGone, ProtocolError, ValueError, TypeError) as exc:
-                    log.warning("state of block %d from %s refused: %s", self.block, donor[:8], exc)
-                    continue
-                log.info("block %d: fetched state %s (round %d) from %s", self.block, state.version.hash[:12],
-                         state.version.round, donor[:8])
+            state = await fetch_from(self.node, holders, self.block, self.n_params, self.cfg)
+            if state is not None:
                 self.pending = state
                 self.changed.set()
-                return
         finally:
             self.fetching = False
 
