@@ -422,7 +422,7 @@ def print_table(r: dict) -> None:
           f"{'train FLOPs':>12}")
     for name, label in REFERENCE_LABELS.items():
         ref = r["references"][name]
-        label = f"{label} ({ref['depth']} layers)"
+        label = f"{label} ({ref['depth']} layer{'' if ref['depth'] == 1 else 's'})"
         print(f"{label:<40} {ref['ce']:>15.4f} {ref['ce_raw']:>13.4f} {ref['params']:>9d} {ref['wall_s']:>9.1f} "
               f"{ref['train_flops']:>12.3e}")
     for chain, c in r["chains"].items():
