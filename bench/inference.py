@@ -61,11 +61,9 @@ CLIENT = NodeConfig(role="client", timeout=60)
 
 
 def train(folder: Path, flags: list[str], data: str | None) -> None:
-    """The four blocks (in order: chain-state training reads the earlier ones) and the reference.
-
-    The blocks read only z from each other (--channel z): hops do not relay clean streams yet."""
-    base = [sys.executable, "-m", "spheroid", "train", *flags, "--channel", "z", "--log-every", "100",
-            "--out", str(folder)]
+    """The four blocks of the default model (in order: each reads the earlier ones; the hops relay
+    their clean streams) and the reference."""
+    base = [sys.executable, "-m", "spheroid", "train", *flags, "--log-every", "100", "--out", str(folder)]
     if data:
         base += ["--data", data]
     for job in [["--block", str(b)] for b in range(4)] + [["--reference"]]:

@@ -14,7 +14,6 @@ import torch
 
 from spheroid.chain import generate
 from spheroid.config import NodeConfig
-from spheroid.launch import free_port
 from spheroid.node.client import remote_generate, remote_score
 from spheroid.node.connection import PeerGone
 from spheroid.pipeline import Hop, NoRoute, build_route, check_route, parse_blocks, serving_range
@@ -46,13 +45,14 @@ def test_route_prefers_low_rtt_and_avoids_excluded_nodes():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, data_dir):
-    """Four tiny blocks, trained for a few steps (what they say does not matter; that it is exact does).
-    They read only z: hops do not relay the clean streams yet."""
+    """Four tiny blocks of the default model (the relay channel: each block starts from the previous
+    block's clean stream, which hops relay), trained for a few steps (what they say does not
+    matter; that it is exact does)."""
     folder = tmp_path_factory.mktemp("served")
     for job in [["--block", str(b)] for b in range(4)] + [["--reference"]]:
         subprocess.run([sys.executable, "-m", "spheroid", "-q", "train", *job, "--steps", "5", "--d-model", "32",
                         "--n-heads", "2", "--layers-per-block", "1", "--context", "32", "--batch", "4",
-                        "--block-input", "noised", "--channel", "z", "--data", str(data_dir), "--out", str(folder)],
+                        "--data", str(data_dir), "--out", str(folder)],
                        check=True, timeout=120)
     return folder
 
@@ -91,10 +91,14 @@ def ask(addr: str, **request) -> dict:
 def test_three_node_pipeline_gives_the_bytes_of_local_generation(servers, model_dir):
     head, (mid,), tail = pipeline(servers)
     cfg, blocks, codebook = load_chain(model_dir, torch.device("cpu"))
+    assert cfg.model.channel == "relay"
     for mode, k, temperature in (("sweep", 8, 0.8), ("sweep", 24, 0.0), ("ar", 1, 0.8)):
+        relayed = head.status()["serving"]["relayed_rows"]
         got = ask(mid.addr, mode=mode, k=k, temperature=temperature)  # any serving node coordinates
         local = generate(blocks, cfg.noise, codebook, b"The ", 24, k, temperature, 5)
         assert got["data"] == local, mode
+        if mode == "ar":  # the clean stream of the prompt once, then one new position per traversal
+            assert head.status()["serving"]["relayed_rows"] - relayed == len(b"The ") + 24 - 1
         assert got["traversals"] == 24 // k and [h[0] for h in got["route"]] == [
             head.status()["node"], mid.status()["node"], tail.status()["node"]]
     reply = asyncio.run(remote_score(head.addr, CLIENT, {"text": bytes(range(32, 127)) * 2, "chunk": 1, "seed": 0,
@@ -267,17 +271,10 @@ def test_cli_generate_and_score_through_the_pipeline(servers, model_dir, tmp_pat
     assert bad.returncode == 1 and "--route: 'zzzz' names 0 serving nodes" in bad.stderr
 
 
-def test_a_relay_model_is_served_whole_on_one_node_and_refused_split(tmp_path, data_dir):
-    """Hops do not carry clean streams yet: a node serving part of a relay model refuses to start,
-    with a message that says what to do."""
-    folder = tmp_path / "relay"
-    for b in range(2):
-        subprocess.run([sys.executable, "-m", "spheroid", "-q", "train", "--block", str(b), "--steps", "2",
-                        "--n-blocks", "2", "--d-model", "32", "--n-heads", "2", "--layers-per-block", "1",
-                        "--context", "32", "--batch", "4", "--data", str(data_dir), "--out", str(folder)],
-                       check=True, timeout=120)
-    proc = subprocess.run([sys.executable, "-m", "spheroid", "node", "--listen", f"127.0.0.1:{free_port()}",
-                           "--identity", str(tmp_path / "id.json"), "--serve", "1", "--checkpoint", str(folder)],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and "serve all its blocks on one node (--serve 0-1)" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_one_node_serving_every_block_relays_nothing_and_gives_the_same_bytes(servers, model_dir):
+    whole = servers("whole", "0-3")
+    wait_until(lambda: whole.status()["serving"]["blocks"] == [0, 3], 60, "the node to serve")
+    cfg, blocks, codebook = load_chain(model_dir, torch.device("cpu"))
+    got = ask(whole.addr, mode="ar", k=1, temperature=0.8)
+    assert got["data"] == generate(blocks, cfg.noise, codebook, b"The ", 24, 1, 0.8, 5)
+    assert whole.status()["serving"]["relayed_rows"] == 0

@@ -6,7 +6,10 @@ first node. Each node on the route runs the Euler steps of its blocks (in a work
 event loop, and a training loop beside it, keep going) and streams the noisy tensor to the next;
 the first node draws the starting noise itself, the last one reads off the logits and sends the
 bytes (or, for scoring, the summed negative log-likelihood) to the coordinator in `hop_done`.
-Activations move node to node and never through the client or the coordinator.
+Activations move node to node and never through the client or the coordinator. With the relay
+channel a hop also carries its last block's clean stream over the context, which the next node's
+first block starts from: per session each node keeps what it was sent, so after a session's first
+traversal only the new positions travel.
 
 A hop that fails reports `hop_error` naming the node it could not reach; a traversal that gets no
 answer within `hop_timeout` is retried on a route without the nodes that are gone or do not answer
@@ -74,6 +77,7 @@ class Session:
     caches: list = field(default_factory=list)
     tokens: bytes = b""
     used: float = field(default_factory=time.monotonic)
+    relayed: tuple[str, int] = ("", 0)  # (next hop, positions of the relayed clean stream it holds)
 
     def __post_init__(self) -> None:
         self.caches = self.caches or self.make()
@@ -83,7 +87,7 @@ class Session:
         return sum(c.nbytes for c in self.caches)
 
     def reset(self) -> None:
-        self.caches, self.tokens = self.make(), b""
+        self.caches, self.tokens, self.relayed = self.make(), b"", ("", 0)
 
 
 class SessionCache:
@@ -145,7 +149,8 @@ class PipelineServer(ABC):
         self.hop_timeout, self.retries = hop_timeout, retries
         self.sessions = SessionCache(int(cache_mb * 2**20), session_ttl)
         self.waiting: dict[tuple[str, int], asyncio.Future] = {}
-        self.counters = {"hops": 0, "requests": 0, "traversals": 0, "failed_hops": 0, "reroutes": 0}
+        self.counters = {"hops": 0, "requests": 0, "traversals": 0, "failed_hops": 0, "reroutes": 0,
+                         "relayed_rows": 0}
         node.handlers.update(hop=self.on_hop, hop_done=self.on_hop_done, hop_error=self.on_hop_error,
                              generate=self.on_generate, score=self.on_score)
         node.status_parts["serving"] = self.status
@@ -309,13 +314,18 @@ class PipelineServer(ABC):
             if msg.model != self.model_id:
                 raise ValueError("the request is for another model than the one this node serves")
             last = at == len(route) - 1
-            result = await asyncio.to_thread(self._compute, msg, z, last)
+            result = await asyncio.to_thread(self._compute, msg, z, None if last else route[at + 1].node)
             self.counters["hops"] += 1
             if last:
                 await self._reply(coordinator, result)
             else:
                 failed = route[at + 1].node
-                await self._deliver(route[at + 1], msg.replace(at=at + 1), result)
+                tensor, fields = result
+                try:
+                    await self._deliver(route[at + 1], msg.replace(at=at + 1, **fields), tensor)
+                except PeerGone:
+                    self._forget_relayed(msg.session)  # the next hop may not hold what it was sent
+                    raise
         except (ValueError, PeerGone, ProtocolError, RuntimeError) as exc:
             self.counters["failed_hops"] += 1
             log.warning("hop of session %s failed: %s", msg.session[:8], exc)
@@ -323,8 +333,15 @@ class PipelineServer(ABC):
                                                              message=str(exc)))
 
     @abstractmethod
-    def _compute(self, msg: messages.Message, z: torch.Tensor | None, last: bool) -> messages.Message | torch.Tensor:
-        """This node's part of a traversal (in a worker thread): the tensor to pass on, or the hop_done."""
+    def _compute(self, msg: messages.Message, z: torch.Tensor | None, next_node: str | None
+                 ) -> messages.Message | tuple[torch.Tensor, dict]:
+        """This node's part of a traversal (in a worker thread): on the last hop (`next_node` None) the
+        hop_done; before it, the tensor to pass on and the hop's fields that describe it."""
+
+    def _forget_relayed(self, session: str) -> None:
+        """After a failed hand-over: drop the session here, so that its next traversal recomputes it and
+        relays the whole clean stream to whichever node comes next."""
+        self.sessions.drop(session)
 
     @abstractmethod
     async def _generate(self, conn: Connection, msg: messages.Message) -> None:
@@ -383,10 +400,6 @@ class BlockServer(PipelineServer):
             raise ValueError("serving needs a concat-layout model (chunks of K bytes per traversal)")
         if cfg.noise.churn > 0:
             raise ValueError("serving runs the deterministic sampler; this model's noise config has churn > 0")
-        if cfg.model.channel == "relay" and (first, last) != (0, cfg.model.n_blocks - 1):
-            raise ValueError(f"this model's blocks read the previous block's clean stream (channel 'relay'), which "
-                             f"hops do not relay yet: serve all its blocks on one node (--serve 0-"
-                             f"{cfg.model.n_blocks - 1}), or a model trained with --channel z")
         # which model this is (not which weights: holders of a block may be a round apart)
         model_id = hashlib.sha256(repr((self.kind, cfg.model, cfg.noise)).encode()).hexdigest()[:16]
         super().__init__(node, cfg, first, last, model_id, hop_timeout, retries, cache_mb, session_ttl)
@@ -394,6 +407,11 @@ class BlockServer(PipelineServer):
                        for b, e in zip(range(first, last + 1), entries, strict=True)}
         self.codebook = make_codebook(cfg.model).to(self.device)
         self.grid = sigma_grid(cfg.noise, cfg.model.n_blocks)
+        relay = cfg.model.channel == "relay"
+        self.reads_relay = relay and first > 0  # its first block starts from block first-1's clean stream
+        self.sends_relay = relay and last < cfg.model.n_blocks - 1  # the next node's first block reads its last
+        # the clean streams a session keeps: its blocks', then the relayed one it reads
+        self.stream_ids = [*sorted(self.blocks), *([first - 1] if self.reads_relay else [])]
 
     async def _generate(self, conn: Connection, msg: messages.Message) -> None:
         context = self.cfg.model.context
@@ -438,42 +456,78 @@ class BlockServer(PipelineServer):
                                             route=[h.to_wire() for h in route]))
 
     @torch.no_grad()
-    def _compute(self, msg: messages.Message, z: torch.Tensor | None, last: bool) -> messages.Message | torch.Tensor:
-        """Start from noise on the first hop, run this node's Euler steps, read off on the last."""
-        n, start, d = msg.n_noisy, msg.start, self.cfg.model.d_model
+    def _compute(self, msg: messages.Message, z: torch.Tensor | None, next_node: str | None
+                 ) -> messages.Message | tuple[torch.Tensor, dict]:
+        """Start from noise on the first hop, run this node's Euler steps, read off on the last.
+
+        With the relay channel the hop's tensor carries, after the n noisy rows, the previous node's
+        last clean stream over the context positions `relay_from`.. (those the receiver does not
+        hold yet for the session: after the first traversal of an `ar` session, one per byte).
+        """
+        n, start = msg.n_noisy, msg.start
         x = self._context(msg)
         if not (1 <= n and start + n <= self.cfg.model.context and 1 <= msg.chunk <= n
                 and start <= x.shape[1] - 1):
             raise ValueError(f"{n} noisy bytes from position {start} do not fit the window of {self.cfg.model.context}")
+        # a relay from position 0 comes from a node that holds nothing of the session (a new route)
+        restart = self.reads_relay and msg.at > 0 and not msg.relay_from
+        session = None if msg.targets is not None else self._session(msg.session, msg.ctx, restart)
+        streams = {} if session is None else dict(zip(self.stream_ids, session.caches, strict=True))
         if msg.at == 0:  # the first hop starts from noise
             noise_gen, _ = traversal_generators(msg.seed, msg.traversal, self.device)
-            z = self.grid[0].item() * gaussian((1, n, d), noise_gen, self.device)
+            z = self.grid[0].item() * gaussian((1, n, self.cfg.model.d_model), noise_gen, self.device)
+        elif self.reads_relay:
+            rows = x.shape[1] - (msg.relay_from if msg.relay_from is not None else 0)
+            z = self._incoming(z, n + rows)
+            self._take_relay(streams, msg.relay_from, z[:, n:], x.shape[1])
+            z = z[:, :n]
         else:
             z = self._incoming(z, n)
-        streams = {} if msg.targets is not None else self._session_streams(msg.session, msg.ctx)
         spb = self.cfg.noise.steps_per_block
         steps = range(self.first * spb, (self.last + 1) * spb)
         z = euler_steps(self.blocks, self.cfg.noise, self.grid, self.codebook, x, z, steps, None, start, msg.chunk,
                         streams)
-        if not last:
-            return z
+        if next_node is not None:
+            if not self.sends_relay:
+                return z, {}
+            held = session.relayed[1] if session is not None and session.relayed[0] == next_node else 0
+            if session is not None:
+                session.relayed = (next_node, x.shape[1])
+            self.counters["relayed_rows"] += x.shape[1] - held
+            return torch.cat([z, streams[self.last].out[:, held:]], dim=1), {"relay_from": held}
         sigma_min = torch.full((1,), self.cfg.noise.sigma_min)
         logits = self.blocks[self.last](x, z, sigma_min, start, msg.chunk, streams.get(self.last),
                                         streams.get(self.last - 1))
         return self._done(msg, logits.float()[0])
 
-    def _session_streams(self, session: str, ctx: bytes) -> dict[int, CleanStream]:
-        """This node's blocks' clean streams for a generation session, valid for ctx.
+    def _take_relay(self, streams: dict[int, CleanStream], relay_from: int | None, rows: torch.Tensor,
+                    n_clean: int) -> None:
+        """Extend the session's copy of block first-1's clean stream with the rows the hop relayed."""
+        held = streams.setdefault(self.first - 1, CleanStream(0))
+        if relay_from is None:
+            raise ValueError(f"block {self.first} reads block {self.first - 1}'s clean stream (channel 'relay'): the "
+                             f"hop must relay it (relay_from)")
+        if relay_from != held.seen:
+            raise ValueError(f"the hop relays the clean stream from position {relay_from}, and this node holds "
+                             f"{held.seen} positions of the session")
+        if relay_from + rows.shape[1] != n_clean:
+            raise ValueError("the relayed clean stream must reach the end of the context")
+        held.out = rows.clone() if held.out is None else torch.cat([held.out, rows], dim=1)
+
+    def _session(self, session: str, ctx: bytes, restart: bool = False) -> Session:
+        """A generation session's clean streams (this node's blocks', then the relayed one), valid for ctx.
 
         While the window only grows (the prompt and output fit the context) each traversal adds
-        its new bytes to the streams; once it slides, they are rebuilt from the new window.
+        its new bytes to the streams; once it slides, or the previous node relays the whole
+        context again (`restart`: a new route), they are rebuilt.
         """
         layers = self.cfg.model.layers_per_block
-        found = self.sessions.get(session, lambda: [CleanStream(layers) for _ in self.blocks])
-        if not ctx.startswith(found.tokens):
+        found = self.sessions.get(session, lambda: [CleanStream(layers) for _ in self.blocks] + (
+            [CleanStream(0)] if self.reads_relay else []))
+        if not ctx.startswith(found.tokens) or restart:
             found.reset()
         found.tokens = ctx
-        return dict(zip(sorted(self.blocks), found.caches, strict=True))
+        return found
 
 
 class ReferenceServer(PipelineServer):
@@ -536,7 +590,8 @@ class ReferenceServer(PipelineServer):
         raise ValueError("a reference pipeline only generates; score with `spheroid eval` on its checkpoint")
 
     @torch.no_grad()
-    def _compute(self, msg: messages.Message, z: torch.Tensor | None, last: bool) -> messages.Message | torch.Tensor:
+    def _compute(self, msg: messages.Message, z: torch.Tensor | None, next_node: str | None
+                 ) -> messages.Message | tuple[torch.Tensor, dict]:
         n, start = msg.n_noisy, msg.start
         caches = self.sessions.get(msg.session, lambda: [KVCache() for _ in self.layers]).caches
         if caches[0].k is not None and caches[0].k.shape[2] != start:
@@ -545,6 +600,6 @@ class ReferenceServer(PipelineServer):
         h = self.model.embed(self._context(msg), start) if msg.at == 0 else self._incoming(z, n)
         for layer, cache in zip(self.layers, caches, strict=True):
             h = layer(h, None, None, cache)
-        if not last:
-            return h
+        if next_node is not None:
+            return h, {}
         return self._done(msg, self.model.head(self.model.norm(h[0, -1:])).float())

@@ -66,7 +66,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "score_reply": {"nll": "float", "count": "uint", "windows": "uint", "route": "list"},
     "hop": {"session": "str", "traversal": "uint", "route": "list", "at": "uint", "coordinator": "list", "model": "str",
             "ctx": "bin", "start": "uint", "n_noisy": "uint", "chunk": "uint", "temperature": "float",
-            "seed": "uint", "z": "uint?", "targets": "bin?"},
+            "seed": "uint", "z": "uint?", "targets": "bin?", "relay_from": "uint?"},
     "hop_done": {"session": "str", "traversal": "uint", "data": "bin", "nll": "float", "count": "uint"},
     "hop_error": {"session": "str", "traversal": "uint", "node": "str", "message": "str"},
     # errors and goodbyes
