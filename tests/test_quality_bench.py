@@ -51,7 +51,9 @@ def test_quality_ci_preset_writes_its_json_and_plot(bench_run):
     assert "concurrent_ce" in result["curve"][-1]
     work = tmp / "work"
     reads = json.loads((work / "blocktrain_concurrent" / "block-3.json").read_text())["state"]["reads"]
-    assert sorted(reads) == ["block-0", "block-1", "block-2"] and all(r["step"] > 0 for r in reads.values())
+    # (which versions were published when block 3 read them depends on the machine's load)
+    assert sorted(reads) == ["block-0", "block-1", "block-2"]
+    assert all(r["sha256"] == "genesis" or r["step"] > 0 for r in reads.values())
     assert (tmp / "quality.png").stat().st_size > 1000
     assert "chain in order, M = 8" in stdout and "depth pays" in stdout
 

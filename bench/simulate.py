@@ -1,0 +1,343 @@
+"""A large swarm's averaging rounds, simulated: spheroid/averaging.py under a fake clock and network.
+
+N nodes train B blocks (N / B replicas each). Each node is a `Replica` (the same sans-I/O code a
+node runs); "training" a round takes the node's compute time (stragglers take 5 times as long)
+and adds a seeded increment. Every message (a part, a reduced range, a version, a state transfer)
+arrives after the link's latency plus its size over the bandwidth, unless the two nodes are on
+different sides of the partition or the receiver has left. A node that leaves is gone at once to
+its peers (its connections close); a partitioned peer is not (it is waited for until the
+deadline). Churn: every simulated minute a fraction of the nodes leaves and as many fresh ones
+join with no state; a joiner hears the versions of the live same-block nodes after a gossip delay
+and fetches the preferred state from one holder, as a node does. One partition splits every block
+in two halves for a while and then heals.
+
+It reports (and writes as JSON): rounds closed; the share closed by their deadline; the share of
+rounds (a block's round among one group) whose complete closers agreed on one hash; rounds with a missing range; how
+long joiners took to their first round as members; the bytes and the peers each node sent to in a
+round (parts and ranges; versions and state transfers apart); and how many distinct states each
+block held at the end, after the swarm settled.
+
+    python bench/simulate.py [--nodes 1000] [--blocks 4] [--minutes 6] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import json
+import logging
+import statistics
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from spheroid.averaging import AveragingConfig, Part, Reduced, Replica, SharedState, Version  # noqa: E402
+from spheroid.node.worker import pick_donor  # noqa: E402
+
+log = logging.getLogger("bench.simulate")
+logging.getLogger("spheroid.averaging").setLevel(logging.ERROR)  # refusals are counted, not logged
+
+
+@dataclass
+class Config:
+    nodes: int = 1000
+    blocks: int = 4
+    params: int = 1024  # values per block (small: the message count, not their size, is what is simulated)
+    compute_s: float = 20.0  # one round's local steps
+    wait_s: float = 6.0  # the round deadline
+    latency_s: float = 0.05
+    mbit: float = 100.0
+    churn: float = 0.10  # of the nodes, leaving (and as many joining) per simulated minute
+    stragglers: float = 0.05  # nodes 5x slower
+    gossip_s: float = 3.0  # until a joiner has heard its block's members
+    minutes: float = 6.0
+    partition: tuple[float, float] = (120.0, 180.0)  # seconds: every block split in two halves
+    settle_s: float = 60.0  # after the last round starts: no training, versions settle
+    seed: int = 0
+
+
+@dataclass
+class Member:
+    name: str
+    block: int
+    replica: Replica
+    local: torch.Tensor
+    compute: float
+    joined: float
+    side: int
+    alive: bool = True
+    token: int = 0  # of its current training run
+    first_member_round: float | None = None
+    sent: dict[int, list] = field(default_factory=dict)  # round -> [bytes, peers]
+
+
+class Swarm:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.now = 0.0
+        self.queue: list = []
+        self.seq = itertools.count()
+        self.rng = torch.Generator().manual_seed(cfg.seed)
+        self.avg = AveragingConfig(wait=cfg.wait_s, every=1)
+        self.genesis = {b: torch.randn(cfg.params, generator=torch.Generator().manual_seed(b))
+                        for b in range(cfg.blocks)}
+        self.members: dict[str, Member] = {}
+        self.names = (f"{i:032x}" for i in itertools.count())
+        self.closes: list[dict] = []
+        self.partitioned = False
+        self.stop_at = cfg.minutes * 60.0
+        self.other_bytes = 0  # versions and state transfers
+        self.fetches = 0
+        for i in range(cfg.nodes):
+            self._add(i % cfg.blocks, genesis=True)
+        for b in range(cfg.blocks):  # they start together from one genesis state and say so
+            group = self.block_members(b)
+            for m in group:
+                for other in group:
+                    if other is not m:
+                        m.replica.note_version(other.name, other.replica.state.version, synced=True)
+        for m in list(self.members.values()):
+            self.train(m)
+        for minute in range(int(cfg.minutes) if cfg.churn > 0 else 0):
+            self.at(60.0 * minute + 30.0, self.churn)
+        self.at(cfg.partition[0], self.split, True)
+        self.at(cfg.partition[1], self.split, False)
+
+    # --- the event queue ---------------------------------------------------------------------------
+
+    def at(self, delay: float, fn, *args) -> None:
+        heapq.heappush(self.queue, (self.now + delay, next(self.seq), fn, args))
+
+    def run(self, until: float) -> None:
+        while self.queue and self.queue[0][0] <= until:
+            self.now, _, fn, args = heapq.heappop(self.queue)
+            fn(*args)
+        self.now = until
+
+    def random(self) -> float:
+        return float(torch.rand((), generator=self.rng))
+
+    # --- membership --------------------------------------------------------------------------------
+
+    def _add(self, block: int, genesis: bool) -> Member:
+        name = next(self.names)
+        state = SharedState.create(0, 0, self.genesis[block].clone(), None)
+        slow = self.random() < self.cfg.stragglers
+        compute = self.cfg.compute_s * (5.0 if slow else 1.0) * (0.9 + 0.2 * self.random())
+        m = Member(name, block, Replica(name, state, self.avg, synced=genesis), state.params.clone(), compute,
+                   self.now, side=int(self.random() < 0.5))
+        self.members[name] = m
+        return m
+
+    def block_members(self, block: int) -> list[Member]:
+        return [m for m in self.members.values() if m.alive and m.block == block]
+
+    def reachable(self, a: Member, b: Member) -> bool:
+        return a.alive and b.alive and (not self.partitioned or a.side == b.side)
+
+    def churn(self) -> None:
+        """A fraction of the nodes leaves; as many fresh ones join, each on the leaver's block."""
+        live = [m for m in self.members.values() if m.alive]
+        leaving = max(1, round(self.cfg.churn * len(live)))
+        order = torch.randperm(len(live), generator=self.rng)[:leaving].tolist()
+        for i in order:
+            gone = live[i]
+            gone.alive = False
+            joiner = self._add(gone.block, genesis=False)
+            self.at(self.cfg.gossip_s, self.join, joiner)
+
+    def join(self, m: Member) -> None:
+        """What a joiner has heard after gossip: every live same-block member's version; it fetches."""
+        for peer in self.block_members(m.block):
+            if peer is not m and self.reachable(m, peer):
+                m.replica.note_version(peer.name, peer.replica.state.version, peer.replica.synced)
+        if not self.maybe_fetch(m):
+            self.train(m)
+
+    def split(self, on: bool) -> None:
+        self.partitioned = on
+        if not on:  # healed: everyone re-announces to the other side (reconnection)
+            for m in self.members.values():
+                if m.alive:
+                    self.announce(m)
+
+    # --- messages ------------------------------------------------------------------------------------
+
+    def send(self, src: Member, dst_name: str, size: int, fn, *args, averaging: bool = True) -> None:
+        """A message; `averaging` ones (parts, ranges) count toward the sender's bytes and peers of its round."""
+        dst = self.members.get(dst_name)
+        if dst is None or not self.reachable(src, dst):
+            return
+        if averaging:
+            sent = src.sent.setdefault(src.replica.round, [0, set()])
+            sent[0] += size
+            sent[1].add(dst_name)
+        else:
+            self.other_bytes += size
+        self.at(self.cfg.latency_s + size * 8 / (self.cfg.mbit * 1e6), fn, dst, *args)
+
+    def train(self, m: Member) -> None:
+        if not m.alive or self.now >= self.stop_at:
+            return
+        m.token += 1
+        self.at(m.compute, self.trained, m, m.token)
+
+    def trained(self, m: Member, token: int) -> None:
+        if not m.alive or m.token != token:
+            return
+        m.local += torch.randn(self.cfg.params, generator=self.rng) * 0.01
+        parts = m.replica.submit(m.local - m.replica.state.params, 16, self.now)
+        if m.replica.range is not None and m.first_member_round is None:
+            m.first_member_round = self.now
+        for owner, part in parts.items():
+            self.send(m, owner, part.delta.numel() * 4 + 64, self.deliver, part)
+        self.at(self.cfg.wait_s / 2, self.try_close, m)
+        self.at(self.cfg.wait_s, self.try_close, m)
+
+    def deliver(self, m: Member, message: Part | Reduced) -> None:
+        if m.alive:
+            m.replica.offer(message)
+            self.try_close(m)
+
+    def try_close(self, m: Member) -> None:
+        r = m.replica
+        if not m.alive or r.ready_at is None:
+            return
+        if r.can_reduce(self.now):
+            mine = r.reduce()
+            for peer in r.targets():
+                self.send(m, peer, mine.delta.numel() * 4 + 64 + 40 * len(mine.contributors), self.deliver, mine)
+        gone = {p for p in r.ranges if p not in self.members or not self.members[p].alive}
+        if not r.can_close(self.now, gone):
+            return
+        ready, group = r.ready_at, tuple(r.group)
+        closed = r.close()
+        self.closes.append({"block": m.block, "round": closed.state.version.round - 1, "node": m.name, "group": group,
+                            "waited": self.now - ready, "missing": closed.missing,
+                            "hash": closed.state.version.hash, "contributors": len(closed.contributors)})
+        m.local = closed.state.params + (0 if closed.carry is None else closed.carry)
+        self.announce(m)
+        if not self.maybe_fetch(m):
+            self.train(m)
+
+    def announce(self, m: Member) -> None:
+        version, synced = m.replica.state.version, m.replica.synced
+        for peer in self.block_members(m.block):
+            if peer is not m:
+                self.send(m, peer.name, 120, self.heard, m.name, version, synced, averaging=False)
+
+    def heard(self, m: Member, sender: str, version: Version, synced: bool) -> None:
+        if m.alive:
+            m.replica.note_version(sender, version, synced)
+            if m.replica.ready_at is None and m.token == 0:
+                return  # a joiner still waiting for gossip
+            self.maybe_fetch(m, in_round=True)
+
+    def maybe_fetch(self, m: Member, in_round: bool = False) -> bool:
+        """Fetch the preferred announced state from a live holder (rendezvous-hashed, as a node picks
+        its donor, so that joiners spread over the holders); whether a fetch started."""
+        best, holders = None, []
+        for name, (version, _) in m.replica.announced.items():
+            peer = self.members.get(name)
+            if (peer is None or not self.reachable(m, peer) or peer.replica.state.version != version
+                    or not m.replica.wants(version, in_round=in_round and self.now < self.stop_at)):
+                continue
+            if best is None or version.preferred_over(best):
+                best, holders = version, [peer]
+            elif version == best:
+                holders.append(peer)
+        if not holders:
+            return False
+        holder = self.members[pick_donor(m.name, [h.name for h in holders])]
+        state = holder.replica.state
+        size = state.params.numel() * 4
+        self.send(holder, m.name, size, self.fetched, SharedState(state.version, state.params.clone()),
+                  averaging=False)
+        self.fetches += 1
+        return True
+
+    def fetched(self, m: Member, state: SharedState) -> None:
+        if not m.alive or not m.replica.wants(state.version, in_round=self.now < self.stop_at):
+            if m.replica.ready_at is None and m.alive:
+                self.train(m)  # nothing to adopt after all: back to training
+            return
+        m.local = m.replica.adopt(state, m.local)
+        self.announce(m)
+        self.train(m)
+
+    # --- figures -------------------------------------------------------------------------------------
+
+    def report(self, wall_s: float) -> dict:
+        cfg = self.cfg
+        by_round = defaultdict(set)
+        for c in self.closes:
+            if c["missing"] == 0:  # the same round of the same group, every range received
+                by_round[c["block"], c["round"], c["group"]].add(c["hash"])
+        joiners = [m for m in self.members.values() if m.joined > 0]
+        caught = [m.first_member_round - m.joined for m in joiners if m.first_member_round is not None]
+        per_round = [(b, len(peers)) for m in self.members.values() for b, peers in m.sent.values()]
+        finals = {b: len({m.replica.state.version.hash for m in self.block_members(b)}) for b in range(cfg.blocks)}
+        waited = [c["waited"] for c in self.closes]
+        return {
+            "config": cfg.__dict__ | {"partition": list(cfg.partition)},
+            "rounds_closed": len(self.closes),
+            "closed_by_deadline": sum(w <= cfg.wait_s + 1e-9 for w in waited) / max(1, len(waited)),
+            "waited_s_max": max(waited, default=0.0),
+            "rounds_with_missing_range": sum(c["missing"] > 0 for c in self.closes) / max(1, len(self.closes)),
+            "complete_rounds_agreeing": sum(len(h) == 1 for h in by_round.values()) / max(1, len(by_round)),
+            "joiners": len(joiners),
+            "joiners_became_members": len(caught),
+            "joiner_s_to_first_member_round": {"median": statistics.median(caught) if caught else None,
+                                               "max": max(caught, default=None)},
+            "bytes_sent_per_node_round": {"mean": statistics.mean(b for b, _ in per_round),
+                                          "max": max(b for b, _ in per_round)},
+            "block_bytes": cfg.params * 4,
+            "state_fetches": self.fetches,
+            "version_and_state_bytes_per_node_minute": self.other_bytes / cfg.nodes / (self.now / 60.0),
+            "peers_per_node_round": {"mean": statistics.mean(p for _, p in per_round),
+                                     "max": max(p for _, p in per_round)},
+            "replicas_per_block": cfg.nodes // cfg.blocks,
+            "distinct_states_per_block_at_end": finals,
+            "wall_s": wall_s,
+        }
+
+
+def simulate(cfg: Config) -> dict:
+    started = time.monotonic()
+    swarm = Swarm(cfg)
+    step = 30.0
+    t = 0.0
+    while t < swarm.stop_at + cfg.settle_s:
+        t = min(t + step, swarm.stop_at + cfg.settle_s)
+        swarm.run(t)
+        log.info("simulated %.0f s of %.0f: %d rounds closed, %.0f s wall", t, swarm.stop_at + cfg.settle_s,
+                 len(swarm.closes), time.monotonic() - started)
+    return swarm.report(time.monotonic() - started)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=Config.nodes)
+    parser.add_argument("--blocks", type=int, default=Config.blocks)
+    parser.add_argument("--minutes", type=float, default=Config.minutes)
+    parser.add_argument("--partition", default="120,180", help="seconds FROM,TO of the partition")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/simulate.json"))
+    a = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    lo, hi = (float(x) for x in a.partition.split(","))
+    result = simulate(Config(nodes=a.nodes, blocks=a.blocks, minutes=a.minutes, partition=(lo, hi)))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))
+    print(f"\nJSON: {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
