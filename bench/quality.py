@@ -126,7 +126,7 @@ def reuse_references(cfg: RunConfig, source: Path, work: Path) -> dict:
 
     Only a block's own settings may differ (the channel, the relay loss, the noise schedule, how
     blocks are fed): anything a reference's training depends on must match, or this refuses."""
-    block_only = {"channel": cfg.model.channel, "relay_loss": cfg.model.relay_loss}
+    block_only = {"channel": cfg.model.channel, "relay_loss": cfg.model.relay_loss, "gate_init": cfg.model.gate_init}
     metrics = {}
     for name, (folder, _) in REFERENCES.items():
         record = source / folder / "reference.json"

@@ -289,6 +289,9 @@ def run_config_options(func):
         click.option("--relay-loss", "model__relay_loss", type=float,
                      help="With --channel relay, the weight of a next-byte loss on each relayed clean stream, "
                           f"so that what a block hands on is trained. {default(m, 'relay_loss')}"),
+        click.option("--gate-init", "model__gate_init", type=float,
+                     help="Where the blocks' AdaLN gates start: 0 is AdaLN-Zero (each layer starts as the "
+                          f"identity), 1 a plain layer's residual branches. {default(m, 'gate_init')}"),
         click.option("--reference-layout", "model__reference_layout", type=click.Choice(["plain", "two_stream"]),
                      help="The end-to-end reference's layout (train --reference): a plain causal transformer, or "
                           "the blocks' two streams (a clean stream, and a query token per position reading it).  "

@@ -45,6 +45,10 @@ class ModelConfig:
     # when its last layer's clean-stream output feeds no query of its own (docs/compose.md); ignored
     # with channel "z"
     relay_loss: float = 1.0
+    # where each block layer's AdaLN gates start: 0 = AdaLN-Zero (every layer starts as the identity,
+    # as in DiT), 1 = as a plain pre-norm layer's residual branches (the references'); see
+    # docs/compose.md
+    gate_init: float = 0.0
     # the end-to-end reference's layout: "plain" (a causal transformer) or "two_stream" (the blocks'
     # clean stream plus one query token per position, nothing noisy); ignored by blocks
     reference_layout: str = "plain"

@@ -302,9 +302,13 @@ class DiffusionBlock(nn.Module):
         self.relay_head = (nn.Sequential(nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab))
                            if cfg.channel == "relay" and cfg.relay_loss and index < cfg.n_blocks - 1 else None)
         init_weights(self)
-        for layer in self.net.layers:  # AdaLN-Zero: every layer starts as the identity
+        for layer in self.net.layers:  # AdaLN: no shift or scale at first; gates at cfg.gate_init
             nn.init.zeros_(layer.ada.weight)
             nn.init.zeros_(layer.ada.bias)
+            d = cfg.d_model
+            with torch.no_grad():  # the six chunks are shift, scale, gate of attention, then of the MLP
+                layer.ada.bias[2 * d : 3 * d] = cfg.gate_init
+                layer.ada.bias[5 * d : 6 * d] = cfg.gate_init
         # F starts at zero (so D starts at c_skip * z) and reads the noisy input only once it learns
         # to: at high noise that input is almost pure noise and would drown the context at first
         for lin in (self.net.ada_out, self.net.out, self.net.noisy_in):
