@@ -66,7 +66,7 @@ def tensor_json(values, shape, dtype="float32", codec="raw", compression="none",
 
 
 VALID = {
-    "hello": {"t": "hello", "id": 1, "version": 3, "swarm": "spheroid", "node": "0f" * 16,
+    "hello": {"t": "hello", "id": 1, "version": 4, "swarm": "spheroid", "node": "0f" * 16,
               "addr": "10.0.0.1:7400", "role": "worker", "blocks": [2], "nonce": {"$bin": "a5" * 16},
               "auth": True, "boot": {"$bin": "01" * 8}},
     "auth": {"t": "auth", "id": 2, "mac": {"$bin": "5c" * 32}},
@@ -124,6 +124,10 @@ VALID = {
             "route": [["0a" * 16, "10.0.0.1:7400", 0, 1], ["0b" * 16, "10.0.0.2:7400", 2, 3]],
             "coordinator": ["0a" * 16, "10.0.0.1:7400", 0, 0], "ctx": {"$bin": "546865"}, "start": 2, "n_noisy": 1,
             "chunk": 1, "temperature": 0.8, "seed": 1, "z": 7},
+    "hop_draft": {"t": "hop", "id": 33, "session": "5e55", "traversal": 5, "at": 0, "model": "0123456789abcdef",
+                  "route": [["0a" * 16, "10.0.0.1:7400", 0, 3]], "coordinator": ["0a" * 16, "10.0.0.1:7400", 0, 0],
+                  "ctx": {"$bin": "546865207468"}, "start": 3, "n_noisy": 3, "chunk": 1, "temperature": 0.0,
+                  "seed": 1, "draft": 2},
     "hop_done": {"t": "hop_done", "id": 31, "session": "5e55", "traversal": 3, "data": {"$bin": "21"}, "nll": 0.0,
                  "count": 0},
     "hop_error": {"t": "hop_error", "id": 32, "session": "5e55", "traversal": 3, "node": "0b" * 16,

@@ -21,6 +21,7 @@ import torch
 
 from . import checkpoint
 from .averaging import CODECS, OUTER_STEPS, AveragingConfig
+from .chain import DEFAULT_DRAFT
 from .chain import generate as run_chain
 from .config import ModelConfig, NodeConfig, NoiseConfig, RunConfig, TrainConfig, override
 from .data import DataError, fixed_windows, load_bytes
@@ -167,6 +168,19 @@ def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> f
     return value
 
 
+def chunk_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    """'1,4,16' -> (1, 4, 16)."""
+    if value is None:
+        return None
+    try:
+        chunks = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a list of chunk sizes such as 1,4,16") from None
+    if any(k < 1 for k in chunks):
+        raise click.BadParameter(f"{value!r}: chunk sizes are at least 1")
+    return chunks
+
+
 def read_config_file(path: str) -> dict:
     """A configuration file as a dict: JSON or TOML (by extension). A checkpoint's JSON record (as
     written beside every checkpoint) stands for the run configuration it holds."""
@@ -308,6 +322,9 @@ def run_config_options(func):
                      help="What a block learns to denoise: noised (e(y) + sigma eps, method.md) or chain (the "
                           "states the earlier, frozen blocks' chain reaches).  [default: chain for train, noised "
                           "for node]"),
+        click.option("--chunks", "train__chunks", callback=chunk_list, metavar="K,K,...",
+                     help="Train under a mix of chunk sizes, one K drawn per batch (e.g. 1,4,16), so one checkpoint "
+                          "serves ar, sweeps and drafts.  [default: the model's --chunk only]"),
         click.option("--refresh-every", "train__refresh_every", type=click.IntRange(min=0),
                      help="Train all blocks at once: publish this block into --out and reload the earlier blocks' "
                           "newest snapshots every R steps (their genesis states until they appear); 0 = the "
@@ -502,11 +519,12 @@ class ByteWriter:
 @click.option("--prompt", default="", help="Text to continue (locally; with --peer give it as TARGET).")
 @click.option("--bytes", "n_bytes", type=click.IntRange(1, 1 << 16), default=200, show_default=True,
               help="How many bytes to generate.")
-@click.option("--mode", type=click.Choice(["sweep", "ar"]), default="sweep", show_default=True,
-              help="With --peer: sweep (K bytes per traversal) or ar (one byte per traversal, streamed).")
+@click.option("--mode", type=click.Choice(["sweep", "ar", "spec"]), default="sweep", show_default=True,
+              help="sweep (K bytes per traversal), ar (one byte per traversal) or spec (speculative: drafted "
+                   "bytes checked with the next one; exactly ar's output in fewer traversals).")
 @click.option("--k", "chunk", type=POSITIVE, default=None,
-              help="Bytes denoised per traversal.  [default: 1; with --peer --mode sweep, as many as the window "
-                   "holds]")
+              help="Bytes denoised per traversal; with --mode spec, the most drafted bytes one checks.  [default: "
+                   f"1; with --peer --mode sweep, as many as the window holds; with --mode spec, {DEFAULT_DRAFT}]")
 @click.option("--route", default="auto", show_default=True,
               help="With --peer: auto (from membership, lowest RTT) or node ids (or prefixes) A,B,C in order.")
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.8, show_default=True, callback=finite,
@@ -527,15 +545,17 @@ def generate(target, peer, prompt, n_bytes, mode, chunk, route, temperature, see
             raise click.UsageError("give a checkpoint folder (or --peer HOST:PORT to use a swarm)")
         dev = pick_device(device)
         cfg, blocks, codebook = load_chain(target, dev)
-        text = as_bytes(prompt)
-        out.write(text + run_chain(blocks, cfg.noise, codebook, text, n_bytes, chunk or 1, temperature, seed) + b"\n",
-                  final=True)
+        text, stats = as_bytes(prompt), {}
+        draft = (chunk or DEFAULT_DRAFT) if mode == "spec" else 0
+        out.write(text + run_chain(blocks, cfg.noise, codebook, text, n_bytes, 1 if draft else chunk or 1,
+                                   temperature, seed, draft, stats) + b"\n", final=True)
+        log.info("%d bytes in %d traversals", n_bytes, stats["traversals"])
         return
     if target is not None and Path(target).is_dir():
         raise click.UsageError(f"{target} is a checkpoint folder, but --peer generates through the swarm: give the "
                                f"prompt as TARGET (or drop --peer to generate from {target} here)")
     text = as_bytes(target if target is not None else prompt)
-    k = 1 if mode == "ar" else (chunk or 0)  # 0: the coordinator takes as many as the window holds
+    k = 1 if mode == "ar" else (chunk or 0)  # 0: the coordinator's default (sweep: as many as the window holds)
     cfg = client_config(swarm, timeout or 300.0, tls_cert, tls_key, tls_ca)
     out.write(text)
 

@@ -120,8 +120,14 @@ class TrainConfig:
     # block and reloads the newest published snapshots of the earlier blocks it reads (before the
     # first, their genesis states); 0 = the earlier blocks are trained first and stay fixed
     refresh_every: int = 0
+    # mixed chunk sizes: each batch trains under the chunk mask of a K drawn uniformly from these, so
+    # one checkpoint serves ar (K = 1), sweeps and drafts; empty = always the model's chunk
+    chunks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "chunks", tuple(self.chunks))  # a JSON list reads back as a list
+        if any(not isinstance(k, int) or k < 1 for k in self.chunks):
+            raise ValueError(f"chunks must be sizes of at least 1, got {list(self.chunks)}")
         if self.refresh_every < 0:
             raise ValueError(f"refresh_every must be >= 0, got {self.refresh_every}")
         if self.block_input not in ("noised", "chain"):

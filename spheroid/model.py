@@ -94,6 +94,11 @@ class KVCache:
     def nbytes(self) -> int:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
 
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions (a serving session whose later bytes changed)."""
+        if self.k is not None:
+            self.k, self.v = (t[:, :, :n] if n else None for t in (self.k, self.v))
+
 
 class CleanStream:
     """One block's clean stream over a prefix of the context: each layer's keys and values (which the
@@ -113,6 +118,13 @@ class CleanStream:
     def nbytes(self) -> int:
         own = 0 if self.out is None else self.out.numel() * self.out.element_size()
         return own + sum(c.nbytes for c in self.kv)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions: the stream is causal, so they do not depend on the bytes after."""
+        for cache in self.kv:
+            cache.truncate(n)
+        if self.out is not None:
+            self.out = self.out[:, :n] if n else None
 
 
 class Attention(nn.Module):

@@ -76,16 +76,18 @@ def block_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook: torc
 
     With the relay channel the frozen `earlier` blocks compute the clean streams it starts from."""
     lo, hi = training_band(cfg.noise, cfg.model.n_blocks, index)
+    chunk = chunk_sampler(cfg)
 
     def loss(windows: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:
         x, y = windows[:, :-1], windows[:, 1:]  # (B, T)
+        k = chunk(gen)
         sigma = sample_sigma(cfg.noise, lo, hi, x.shape[0], gen).to(x.device)  # one level per sequence
         eps = torch.randn(*y.shape, codebook.shape[1], device=x.device)  # global RNG, seeded per run
         z = codebook[y] + sigma[:, None, None] * eps  # (B, T, d)
         own = CleanStream(len(block.net.layers))
         with autocast(x.device):
             streams = encode_context(earlier, x) if block.reads_relay else {}
-            logits = block(x, z, sigma, stream=own, previous=streams.get(index - 1))
+            logits = block(x, z, sigma, 0, k, stream=own, previous=streams.get(index - 1))
             relay = relay_ce(block, own, y)
         ce = fn.cross_entropy(logits.float().transpose(1, 2), y, reduction="none").mean(dim=1)  # (B,)
         return (loss_weight(sigma, cfg.noise.sigma_data) * ce).mean() + cfg.model.relay_loss * relay, ce.mean().item()
@@ -106,23 +108,33 @@ def chain_state_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook
     levels = list(range(index * spb, (index + 1) * spb)) + ([n_blocks * spb] if index == n_blocks - 1 else [])
     grid = sigma_grid(cfg.noise, n_blocks).tolist()
     stack = [*earlier, block]
+    chunk = chunk_sampler(cfg)
 
     def loss(windows: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:
         x, y = windows[:, :-1], windows[:, 1:]
         level = levels[int(torch.randint(len(levels), (1,), generator=gen))]
+        k = chunk(gen)  # the chain runs, and this block trains, under the chunk mask of one K
         streams: Streams = {}
         with autocast(x.device):
-            z = chain_state(stack, cfg.noise, codebook, x, x.shape[1], None, steps=level, streams=streams)
+            z = chain_state(stack, cfg.noise, codebook, x, x.shape[1], None, steps=level, chunk=k, streams=streams)
             if block.reads_relay:  # the frozen blocks' streams, also where the chain has not run them
                 encode_context(earlier, x, streams)
             sigma = torch.full((x.shape[0],), grid[level], device=x.device)
             own = CleanStream(len(block.net.layers))  # its own stream, with gradient
-            logits = block(x, z.float(), sigma, stream=own, previous=streams.get(index - 1))
+            logits = block(x, z.float(), sigma, 0, k, stream=own, previous=streams.get(index - 1))
             relay = relay_ce(block, own, y)
         ce = fn.cross_entropy(logits.float().transpose(1, 2), y)
         return ce + cfg.model.relay_loss * relay, ce.item()
 
     return loss
+
+
+def chunk_sampler(cfg: RunConfig) -> Callable[[torch.Generator], int]:
+    """The chunk size K of each batch: the model's, or one drawn from train.chunks (mixed K)."""
+    chunks = cfg.train.chunks or (cfg.model.chunk,)
+    if max(chunks) > cfg.model.context:
+        raise ValueError(f"chunk sizes {list(chunks)} must be at most the context, {cfg.model.context}")
+    return lambda gen: chunks[int(torch.randint(len(chunks), (1,), generator=gen))] if len(chunks) > 1 else chunks[0]
 
 
 def relay_ce(block: DiffusionBlock, stream: CleanStream, y: torch.Tensor) -> torch.Tensor:

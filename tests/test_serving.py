@@ -108,6 +108,24 @@ def test_three_node_pipeline_gives_the_bytes_of_local_generation(servers, model_
     assert tail.status()["serving"]["sessions"] >= 1 and tail.status()["serving"]["cache_bytes"] > 0
 
 
+def test_speculative_decoding_through_the_pipeline_is_ar_in_fewer_traversals(servers, model_dir):
+    """Mode spec: at temperature 0 exactly ar's bytes, across window moves (context 32, 70 bytes),
+    with drafts kept and refused (each node truncates the session's clean streams, relayed ones
+    included, to what stays); at temperature 0.8 the bytes of local speculative generation."""
+    head, (mid,), tail = pipeline(servers)
+    cfg, blocks, codebook = load_chain(model_dir, torch.device("cpu"))
+    prompt = b"The cat sat on the mat. The cat sat on the "
+    for n_bytes in (24, 70):
+        stats = {}
+        expected = generate(blocks, cfg.noise, codebook, prompt, n_bytes, 1, 0.0, 5)
+        local = generate(blocks, cfg.noise, codebook, prompt, n_bytes, 1, 0.0, 5, draft=8, stats=stats)
+        got = ask(mid.addr, prompt=prompt, n_bytes=n_bytes, mode="spec", k=8, temperature=0.0)
+        assert got["data"] == local == expected
+        assert got["traversals"] == stats["traversals"] < n_bytes
+    got = ask(head.addr, prompt=prompt, n_bytes=40, mode="spec", k=4, temperature=0.8)
+    assert got["data"] == generate(blocks, cfg.noise, codebook, prompt, 40, 1, 0.8, 5, draft=4)
+
+
 def test_sixteen_concurrent_sessions_complete_with_the_right_lengths(servers):
     head, _, _ = pipeline(servers)
 
@@ -208,7 +226,7 @@ def test_session_cache_is_bounded_and_expires():
 
 def test_reference_pipeline_matches_the_reference_run_locally(servers, model_dir):
     """The AR baseline: KV-cached hops give the bytes of full recomputation over the same windows."""
-    from spheroid.chain import sample, traversal_generators
+    from spheroid.chain import sample, traversal_generators, window_start
     from spheroid.train import load_reference
 
     head = servers("rhead", "0-1", None, "--serve-reference", "--hop-timeout", "3")
@@ -220,11 +238,8 @@ def test_reference_pipeline_matches_the_reference_run_locally(servers, model_dir
     route = [[ids[head], head.addr, 0, 1], [ids[mid], mid.addr, 2, 2], [ids[tail], tail.addr, 3, 3]]
     cfg, model = load_reference(model_dir, torch.device("cpu"))
     out, context = bytearray(b"The tower "), cfg.model.context
-    start = max(0, len(out) - context // 2)
-    for traversal in range(40):
-        if len(out) - start > context:
-            start = len(out) - context // 2
-        logits = model(torch.tensor(list(out[start:]))[None, :])[0, -1:]
+    for traversal in range(40):  # the windows of BlockTrain's ar
+        logits = model(torch.tensor(list(out[window_start(len(out), 1, context):]))[None, :])[0, -1:]
         out.extend(sample(logits, 0.8, traversal_generators(5, traversal, torch.device("cpu"))[1]).tolist())
     expected = bytes(out[len(b"The tower "):])
     got = ask(head.addr, mode="ar", k=1, n_bytes=40, prompt=b"The tower ", route=route)  # longer than the window

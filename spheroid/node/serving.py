@@ -16,8 +16,13 @@ answer within `hop_timeout` is retried on a route without the nodes that are gon
 a ping; after `retries` failed attempts the client gets a clear error. Nothing waits without a
 timeout.
 
-Noise and sampling use generators derived from (seed, traversal) (chain.traversal_generators),
-so a pipeline produces the bytes `spheroid generate CKPT` produces locally for the same seed.
+Noise and sampling use generators derived from the seed and each byte's index
+(chain.traversal_generators; a generation hop's `traversal` is the index of its first byte), so a
+pipeline produces the bytes `spheroid generate CKPT` produces locally for the same seed, in every
+mode. Mode `spec` (speculative decoding) checks bytes drafted by prompt lookup in the same
+traversal as the next one (chain.next_traversal): the last node keeps them by the
+speculative-sampling rule (chain.accept_draft), so the output is distributed as `ar`'s, and is
+`ar`'s very bytes at temperature 0.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import torch
 import torch.nn.functional as fn
 
 from .. import checkpoint
-from ..chain import euler_steps, gaussian, next_window, sample, traversal_generators
+from ..chain import DEFAULT_DRAFT, accept_draft, euler_steps, next_traversal, sample_bytes, starting_noise, window_start
 from ..config import RunConfig
 from ..model import CleanStream, KVCache, make_codebook
 from ..noise import sigma_grid
@@ -88,6 +93,17 @@ class Session:
 
     def reset(self) -> None:
         self.caches, self.tokens, self.relayed = self.make(), b"", ("", 0)
+
+    def keep(self, ctx: bytes) -> None:
+        """Hold the caches for ctx: keep the positions ctx shares with the bytes they were computed from
+        (each position depends only on those before it) and drop the rest, e.g. refused drafts."""
+        shared = min(len(self.tokens), len(ctx))
+        same = next((i for i in range(shared) if self.tokens[i] != ctx[i]), shared)
+        if same < len(self.tokens):
+            for cache in self.caches:
+                cache.truncate(same)
+            self.relayed = (self.relayed[0], min(self.relayed[1], same))
+        self.tokens = ctx
 
 
 class SessionCache:
@@ -359,8 +375,10 @@ class PipelineServer(ABC):
                 raise ValueError("targets must have one byte per position scored")
             y = torch.tensor(list(msg.targets), dtype=torch.long)
             return done.replace(nll=fn.cross_entropy(logits, y, reduction="sum").item(), count=len(msg.targets))
-        _, sample_gen = traversal_generators(msg.seed, msg.traversal, self.device)
-        return done.replace(data=bytes(sample(logits, msg.temperature, sample_gen).tolist()))
+        if msg.draft:
+            return done.replace(data=accept_draft(logits, msg.ctx[-msg.draft :], msg.temperature, msg.seed,
+                                                  msg.traversal))
+        return done.replace(data=sample_bytes(logits, msg.temperature, msg.seed, msg.traversal))
 
     def _check_generate(self, msg: messages.Message) -> None:
         check_seed(msg)
@@ -414,24 +432,28 @@ class BlockServer(PipelineServer):
         self.stream_ids = [*sorted(self.blocks), *([first - 1] if self.reads_relay else [])]
 
     async def _generate(self, conn: Connection, msg: messages.Message) -> None:
+        """ar: a byte per traversal; sweep: k bytes denoised together; spec: up to k drafted bytes
+        checked with the next one (exact, as ar)."""
         context = self.cfg.model.context
-        if msg.mode not in ("ar", "sweep"):
-            raise ValueError(f"mode must be ar or sweep, got {msg.mode!r}")
+        if msg.mode not in ("ar", "sweep", "spec"):
+            raise ValueError(f"mode must be ar, sweep or spec, got {msg.mode!r}")
         self._check_generate(msg)
-        chunk = 1 if msg.mode == "ar" else (msg.k or min(msg.n_bytes, context - 1))  # 0: as many as fit
-        if not 1 <= chunk <= context - 1:
+        chunk = (msg.k or min(msg.n_bytes, context - 1)) if msg.mode == "sweep" else 1  # 0: as many as fit
+        draft = (msg.k or DEFAULT_DRAFT) if msg.mode == "spec" else 0
+        if not 1 <= chunk <= context - 1 or draft > context - 1:
             raise ValueError(f"k must be in [1, {context - 1}]")
         session = os.urandom(8).hex()
         out = bytearray(msg.prompt or b"\n")
         produced, traversal, exclude, route = 0, 0, set(), None
         while produced < msg.n_bytes:
-            k = min(chunk, msg.n_bytes - produced)
-            ctx = next_window(out, k, context)
-            fields = {"session": session, "ctx": ctx, "start": len(ctx) - 1, "n_noisy": k, "chunk": k,
-                      "temperature": float(msg.temperature), "seed": msg.seed}
-            done, route = await self.traverse(traversal, msg.route, exclude, fields)
+            t = next_traversal(out, msg.n_bytes - produced, chunk, draft, context)
+            fields = {"session": session, "ctx": t.ctx, "start": t.start, "n_noisy": t.n_noisy, "chunk": t.chunk,
+                      "temperature": float(msg.temperature), "seed": msg.seed, "draft": len(t.draft) or None}
+            done, route = await self.traverse(produced, msg.route, exclude, fields)  # a byte's index keys its noise
+            if not 1 <= len(done.data) <= max(t.n_noisy, len(t.draft) + 1):
+                raise HopFailed("", f"the last hop returned {len(done.data)} bytes for {t.n_noisy} positions")
             out.extend(done.data)
-            produced += k
+            produced += len(done.data)
             traversal += 1
             await conn.send(messages.GenBytes(re=msg.id, data=done.data))
         await conn.send(messages.GenDone(re=msg.id, bytes=produced, traversals=traversal,
@@ -450,7 +472,7 @@ class BlockServer(PipelineServer):
             window = text[i : i + context + 1]
             fields = {"session": session, "ctx": window[:-1], "start": 0, "n_noisy": len(window) - 1,
                       "chunk": msg.chunk, "temperature": 0.0, "seed": msg.seed, "targets": window[1:]}
-            done, route = await self.traverse(windows, msg.route, exclude, fields)
+            done, route = await self.traverse(i, msg.route, exclude, fields)  # noise keyed by byte offset
             nll, count, windows = nll + done.nll, count + done.count, windows + 1
         await conn.send(messages.ScoreReply(re=msg.id, nll=nll, count=count, windows=windows,
                                             route=[h.to_wire() for h in route]))
@@ -469,13 +491,16 @@ class BlockServer(PipelineServer):
         if not (1 <= n and start + n <= self.cfg.model.context and 1 <= msg.chunk <= n
                 and start <= x.shape[1] - 1):
             raise ValueError(f"{n} noisy bytes from position {start} do not fit the window of {self.cfg.model.context}")
+        if msg.draft and (msg.targets is not None or msg.chunk != 1 or n != msg.draft + 1
+                          or start + msg.draft != x.shape[1] - 1):
+            raise ValueError("a hop that checks `draft` drafted bytes scores them and the byte after them, with "
+                             "chunk 1, from the last clean byte before them")
         # a relay from position 0 comes from a node that holds nothing of the session (a new route)
         restart = self.reads_relay and msg.at > 0 and not msg.relay_from
         session = None if msg.targets is not None else self._session(msg.session, msg.ctx, restart)
         streams = {} if session is None else dict(zip(self.stream_ids, session.caches, strict=True))
-        if msg.at == 0:  # the first hop starts from noise
-            noise_gen, _ = traversal_generators(msg.seed, msg.traversal, self.device)
-            z = self.grid[0].item() * gaussian((1, n, self.cfg.model.d_model), noise_gen, self.device)
+        if msg.at == 0:  # the first hop starts from noise, each position's from its byte's generator
+            z = self.grid[0].item() * starting_noise(msg.seed, msg.traversal, n, self.cfg.model.d_model, self.device)
         elif self.reads_relay:
             rows = x.shape[1] - (msg.relay_from if msg.relay_from is not None else 0)
             z = self._incoming(z, n + rows)
@@ -524,9 +549,9 @@ class BlockServer(PipelineServer):
         layers = self.cfg.model.layers_per_block
         found = self.sessions.get(session, lambda: [CleanStream(layers) for _ in self.blocks] + (
             [CleanStream(0)] if self.reads_relay else []))
-        if not ctx.startswith(found.tokens) or restart:
+        if restart:
             found.reset()
-        found.tokens = ctx
+        found.keep(ctx)
         return found
 
 
@@ -563,15 +588,15 @@ class ReferenceServer(PipelineServer):
             raise ValueError("a reference pipeline generates in mode ar")
         self._check_generate(msg)
         out = bytearray(msg.prompt or b"\n")
-        session = {"id": "", "start": max(0, len(out) - context // 2), "sent": 0}  # start: its position 0 in out
+        session = {"id": "", "start": 0, "sent": 0}  # start: its position 0 in out
 
         def fields(restart: bool = False) -> dict:
             """The positions the session's nodes have not seen; a new session (from the window's start)
-            when the window is full or after a failure, when the nodes' caches cannot be trusted."""
-            if len(out) - session["start"] > context:  # full: restart on its last half
-                session["start"], restart = len(out) - context // 2, True
-            if restart or not session["id"]:
-                session["id"], session["sent"] = os.urandom(8).hex(), 0
+            when the window moves on (by half, chain.window_start: the windows BlockTrain's `ar` reads)
+            or after a failure, when the nodes' caches cannot be trusted."""
+            begin = window_start(len(out), 1, context)
+            if restart or not session["id"] or begin != session["start"]:
+                session["id"], session["start"], session["sent"] = os.urandom(8).hex(), begin, 0
             new = bytes(out[session["start"] + session["sent"] :])
             return {"session": session["id"], "ctx": new, "start": session["sent"], "n_noisy": len(new), "chunk": 1,
                     "temperature": float(msg.temperature), "seed": msg.seed}

@@ -19,7 +19,7 @@ import torch
 
 from .errors import ProtocolError
 
-VERSION = 3
+VERSION = 4
 
 # kind of each field; a trailing "?" marks it optional
 SCHEMAS: dict[str, dict[str, str]] = {
@@ -66,7 +66,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "score_reply": {"nll": "float", "count": "uint", "windows": "uint", "route": "list"},
     "hop": {"session": "str", "traversal": "uint", "route": "list", "at": "uint", "coordinator": "list", "model": "str",
             "ctx": "bin", "start": "uint", "n_noisy": "uint", "chunk": "uint", "temperature": "float",
-            "seed": "uint", "z": "uint?", "targets": "bin?", "relay_from": "uint?"},
+            "seed": "uint", "z": "uint?", "targets": "bin?", "relay_from": "uint?",
+            "draft": "uint?"},
     "hop_done": {"session": "str", "traversal": "uint", "data": "bin", "nll": "float", "count": "uint"},
     "hop_error": {"session": "str", "traversal": "uint", "node": "str", "message": "str"},
     # errors and goodbyes
