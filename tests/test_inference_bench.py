@@ -24,6 +24,12 @@ def test_inference_bench_ci_preset(tmp_path, data_dir):
     loads = {r["name"]: r for r in result["concurrent"]}
     assert set(loads) == {"ar", "spec", "reference"}
     assert all(r["sessions"] == 4 and r["bytes"] == 4 * 32 and r["bytes_per_s"] > 0 for r in loads.values())
+    quality = result["quality_against_k"]
+    assert quality["chunks"] == [1, 8, 32]
+    for model in ("trained_k1", "trained_mixed"):
+        assert set(quality[model]["valid_ce_m1"]) == {"1", "8", "32"}
+        assert all(0 <= quality[model][f"{d}_drafts_kept"] <= 1 for d in ("sweep", "lookup"))
+    assert "drafts kept" in proc.stdout
     # three hops of 20 ms each way per traversal: 32 traversals cannot beat one by chance
     assert modes["sweep-32"]["wall_s"] < modes["ar"]["wall_s"]
     assert (tmp_path / "inference.png").stat().st_size > 0 and "vs ar" in proc.stdout
