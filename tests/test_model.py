@@ -435,3 +435,16 @@ def test_configurations_written_before_the_relay_loss_load_without_it(tiny):
     data = tiny.to_dict()
     del data["model"]["relay_loss"]
     assert RunConfig.from_dict(data).model.relay_loss == 0.0
+
+
+def test_gates_start_where_the_config_says_and_older_configs_meant_adaln_zero(tiny):
+    """gate_init: each layer's attention and MLP gates start at G (1: a plain layer, 0: the identity);
+    shift and scale start at zero. A configuration from before the field trained with AdaLN-Zero."""
+    d = tiny.model.d_model
+    for gate in (1.0, 0.0):
+        ada = DiffusionBlock(with_model(tiny, gate_init=gate).model, 0.5).net.layers[0].ada
+        assert torch.equal(ada.weight, torch.zeros_like(ada.weight))
+        assert ada.bias.view(6, d).mean(dim=1).tolist() == [0.0, 0.0, gate, 0.0, 0.0, gate]
+    data = tiny.to_dict()
+    del data["model"]["gate_init"]
+    assert tiny.model.gate_init == 1.0 and RunConfig.from_dict(data).model.gate_init == 0.0
