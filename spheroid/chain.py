@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as fn
 
 from .config import NoiseConfig
-from .model import CleanStream, DiffusionBlock
+from .model import CleanStream, DiffusionBlock, Span
 from .noise import band, sigma_grid
 from .progress import Progress
 
@@ -72,8 +72,9 @@ def chain_state(
     if eps is None:
         eps = gaussian((x.shape[0], n_noisy, codebook.shape[1]), generator, codebook.device)
     z = grid[0].item() * eps
-    return euler_steps(dict(enumerate(blocks)), noise, grid, codebook, x, z, range(steps), generator, start, chunk,
-                       streams)
+    streams = {} if streams is None else streams
+    return euler_steps(dict(enumerate(blocks)), noise, grid, codebook, [Span(x, start, n_noisy, chunk)], z,
+                       range(steps), generator, [streams])
 
 
 @torch.no_grad()
@@ -82,24 +83,23 @@ def euler_steps(
     noise: NoiseConfig,
     grid: torch.Tensor,
     codebook: torch.Tensor,
-    x: torch.Tensor,
+    spans: list[Span],
     z: torch.Tensor,
     steps: range,
-    generator: torch.Generator | None = None,
-    start: int = 0,
-    chunk: int | None = None,
-    streams: Streams | None = None,
+    generator: torch.Generator | None,
+    streams: list[Streams],
 ) -> torch.Tensor:
     """Grid steps `steps` of the chain on z, each by the block that owns it (blocks: index -> block).
 
     A serving node holding some of the blocks runs its share of the steps with this, so a pipeline
-    of nodes computes exactly what `chain_state` computes on one machine. Each block's clean stream
-    is computed at its first step and kept in `streams` (per block; a serving session keeps them
-    between calls, so only new bytes are computed); a block reading the relay channel reads the
-    stream of the block before it there.
+    of nodes computes exactly what `chain_state` computes on one machine. `spans` are the sequences
+    z holds: one (z: (B, N, d)), or several packed one after another (z: (1, sum of n, d)), as a
+    serving node batches concurrent sessions. Each block's clean stream is computed at its first
+    step and kept in the span's `streams` (per block; a serving session keeps them between calls,
+    so only new bytes are computed); a block reading the relay channel reads the stream of the
+    block before it there.
     """
     b, levels = z.shape[0], grid.tolist()
-    streams = {} if streams is None else streams
     for i in steps:
         sigma = levels[i]
         if noise.churn > 0 and i > 0:
@@ -107,9 +107,9 @@ def euler_steps(
             z = z + (sigma_hat**2 - sigma**2) ** 0.5 * gaussian(tuple(z.shape), generator, codebook.device)
             sigma = sigma_hat
         index = i // noise.steps_per_block
-        stream = streams.setdefault(index, CleanStream(len(blocks[index].net.layers)))
-        logits = blocks[index](x, z, torch.full((b,), sigma, device=x.device), start, chunk, stream,
-                               streams.get(index - 1))
+        own = [s.setdefault(index, CleanStream(len(blocks[index].net.layers))) for s in streams]
+        logits = blocks[index].forward_packed(spans, z, torch.full((b,), sigma, device=z.device), own,
+                                              [s.get(index - 1) for s in streams])
         d_hat = fn.softmax(logits.float(), dim=-1) @ codebook  # expected clean embedding
         z = z + (levels[i + 1] - sigma) * (z - d_hat) / sigma
     return z

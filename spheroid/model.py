@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -127,6 +128,72 @@ class CleanStream:
             self.out = self.out[:, :n] if n else None
 
 
+@dataclass(frozen=True)
+class Span:
+    """One sequence of a packed batch: clean bytes x (B, L) and n noisy tokens for the targets of
+    positions start.., in chunks of `chunk`. A serving node packs concurrent sessions' hops, one span
+    each, into one sequence per layer call (`packed_mask`), so they share each call instead of taking
+    turns; a batch of one span is the plain computation."""
+
+    x: torch.Tensor
+    start: int
+    n: int
+    chunk: int | None  # None: the model's own (ModelConfig.chunk), for a batch of one
+
+
+def packed_mask(rows: list[torch.Tensor], seen: list[int]) -> torch.Tensor:
+    """The attention mask of sequences run as one, concatenated along positions.
+
+    rows[i] (n_i, seen_i + n_i): what sequence i's n_i new tokens may see of its own seen_i earlier
+    keys (cached) and of its new ones. Packed, the keys are every sequence's earlier keys, then every
+    sequence's new ones (what `PackedKV` holds), and no token sees another sequence's. One sequence
+    keeps its own mask.
+    """
+    if len(rows) == 1:
+        return rows[0]
+    new = [r.shape[0] for r in rows]
+    mask = torch.zeros(sum(new), sum(seen) + sum(new), dtype=torch.bool, device=rows[0].device)
+    row, old, fresh = 0, 0, sum(seen)
+    for r, s, n in zip(rows, seen, new, strict=True):
+        mask[row : row + n, old : old + s] = r[:, :s]
+        mask[row : row + n, fresh : fresh + n] = r[:, s:]
+        row, old, fresh = row + n, old + s, fresh + n
+    return mask
+
+
+def packed_causal(seen: list[int], new: list[int], device: torch.device) -> torch.Tensor | None:
+    """`packed_mask` for new positions that follow their sequence's cached ones causally; None for one
+    sequence, where attention is plainly causal."""
+    if len(seen) == 1:
+        return None
+    return packed_mask([torch.arange(s + n, device=device)[None, :] <= s + torch.arange(n, device=device)[:, None]
+                        for s, n in zip(seen, new, strict=True)], seen)
+
+
+class PackedKV:
+    """Several sequences' KV caches read as one (what a packed batch's attention needs): their keys one
+    after another, and `extend` hands each cache the new positions of its own sequence."""
+
+    def __init__(self, caches: list[KVCache], new: list[int] | None = None) -> None:
+        self.caches, self.new = caches, new
+        held = [c for c in caches if c.k is not None]
+        self.k = torch.cat([c.k for c in held], dim=2) if held else None
+        self.v = torch.cat([c.v for c in held], dim=2) if held else None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (1, heads, sum(new), d/heads): the sequences' new positions, in order."""
+        for cache, kk, vv in zip(self.caches, k.split(self.new, dim=2), v.split(self.new, dim=2), strict=True):
+            cache.extend(kk, vv)
+        if self.k is None:
+            return k, v
+        return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+
+
+def packed_kv(caches: list[KVCache], new: list[int] | None = None) -> KVCache | PackedKV:
+    """The caches as one layer call reads them: one sequence's own cache, or several packed."""
+    return caches[0] if len(caches) == 1 else PackedKV(caches, new)
+
+
 class Attention(nn.Module):
     def __init__(self, d: int, n_heads: int) -> None:
         super().__init__()
@@ -228,15 +295,27 @@ class BlockNet(nn.Module):
         "relay", blocks after the first): this block's clean stream starts from it, so block b
         computes on the context 2 x (b + 1) layers deep instead of re-reading the raw bytes.
         """
-        seen, n_clean = stream.seen, x.shape[1]
-        if seen >= n_clean:
+        self.encode_packed([x], [stream], [relay])
+
+    def encode_packed(self, xs: list[torch.Tensor], streams: list[CleanStream],
+                      relays: list[torch.Tensor | None]) -> None:
+        """`encode` for several sequences (B = 1 each) at once, their new positions packed into one."""
+        todo = [i for i, (x, stream) in enumerate(zip(xs, streams, strict=True)) if stream.seen < x.shape[1]]
+        if not todo:
             return
-        h = self.tok_emb(x[:, seen:]) + self.pos_emb[seen:n_clean]  # (B, L - seen, d)
-        if relay is not None:
-            h = h + relay[:, seen:n_clean]
-        for layer, kv in zip(self.layers, stream.kv, strict=True):
-            h = layer(h, None, self.clean_cond, cache=kv)  # causal; its keys and values join kv
-        stream.out = h if stream.out is None else torch.cat([stream.out, h], dim=1)
+        seen = [streams[i].seen for i in todo]
+        new = [xs[i].shape[1] - s for i, s in zip(todo, seen, strict=True)]
+        parts = []
+        for i, s in zip(todo, seen, strict=True):
+            h = self.tok_emb(xs[i][:, s:]) + self.pos_emb[s : xs[i].shape[1]]  # (B, L - seen, d)
+            parts.append(h if relays[i] is None else h + relays[i][:, s:])
+        h = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+        mask = packed_causal(seen, new, h.device)
+        for n, layer in enumerate(self.layers):
+            # causal; each sequence's new keys and values join its own cache
+            h = layer(h, mask, self.clean_cond, cache=packed_kv([streams[i].kv[n] for i in todo], new))
+        for i, out in zip(todo, h.split(new, dim=1), strict=True):
+            streams[i].out = out if streams[i].out is None else torch.cat([streams[i].out, out], dim=1)
 
     def forward(
         self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int, chunk: int,
@@ -256,25 +335,39 @@ class BlockNet(nn.Module):
         Euler steps of one traversal, and a serving session's traversals, compute it once.
         `relay`: the previous block's clean-stream output (B, L, d), for the relay channel.
         """
-        n_clean, n_noisy = x.shape[1], z_in.shape[1]
-        if start + n_noisy > self.pos_emb.shape[0]:
-            raise ValueError(f"positions up to {start + n_noisy} exceed the context of {self.pos_emb.shape[0]}")
+        self.check_positions(start, z_in.shape[1])
         if self.layout == "merged":
             return self.forward_merged(z_in, c_noise, x, start, chunk, relay)
-        stream = stream or CleanStream(len(self.layers))
-        self.encode(x, stream, relay)
+        return self.forward_packed(z_in, c_noise, [Span(x, start, z_in.shape[1], chunk)],
+                                   [stream or CleanStream(len(self.layers))], [relay])
+
+    def forward_packed(self, z_in: torch.Tensor, c_noise: torch.Tensor, spans: list[Span],
+                       streams: list[CleanStream], relays: list[torch.Tensor | None]) -> torch.Tensor:
+        """`forward` (concat layout) for several sequences at once: z_in (1, sum of n, d) holds their
+        noisy tokens one after another (B as x's batch for a single span); so does the result."""
+        for span in spans:
+            self.check_positions(span.start, span.n)
+        self.encode_packed([s.x for s in spans], streams, relays)
         # each noisy token also carries the last clean byte its chunk may see (its anchor), so the
         # nearest context is at hand from the first step instead of having to be found by attention;
         # with the relay channel, also the previous block's clean-stream output there
-        anchor = start + (torch.arange(n_noisy, device=x.device) // chunk) * chunk  # (N,)
-        noisy = self.noisy_in(z_in) + self.tok_emb(x[:, anchor]) + self.pos_emb[start : start + n_noisy]  # (B, N, d)
-        if relay is not None:
-            noisy = noisy + relay[:, anchor]
+        parts = []
+        for span, relay in zip(spans, relays, strict=True):
+            anchor = span.start + (torch.arange(span.n, device=span.x.device) // span.chunk) * span.chunk  # (N,)
+            part = self.tok_emb(span.x[:, anchor]) + self.pos_emb[span.start : span.start + span.n]  # (B, N, d)
+            parts.append(part if relay is None else part + relay[:, anchor])
+        noisy = self.noisy_in(z_in) + (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
         noisy_cond = self.noise_emb(c_noise)[:, None, :]  # (B, 1, d)
-        mask = noisy_rows(n_clean, n_noisy, start, chunk, x.device)  # (N, L + N)
-        for layer, kv in zip(self.layers, stream.kv, strict=True):
-            noisy = layer(noisy, mask, noisy_cond, memory=kv)
+        lengths = [s.x.shape[1] for s in spans]
+        mask = packed_mask([noisy_rows(n_clean, s.n, s.start, s.chunk, s.x.device)  # (N, L + N) each
+                            for n_clean, s in zip(lengths, spans, strict=True)], lengths)
+        for n, layer in enumerate(self.layers):
+            noisy = layer(noisy, mask, noisy_cond, memory=packed_kv([st.kv[n] for st in streams]))
         return self.readout(noisy, noisy_cond)  # (B, N, d)
+
+    def check_positions(self, start: int, n: int) -> None:
+        if start + n > self.pos_emb.shape[0]:
+            raise ValueError(f"positions up to {start + n} exceed the context of {self.pos_emb.shape[0]}")
 
     def forward_merged(self, z_in: torch.Tensor, c_noise: torch.Tensor, x: torch.Tensor, start: int,
                        chunk: int, relay: torch.Tensor | None) -> torch.Tensor:
@@ -345,10 +438,26 @@ class DiffusionBlock(nn.Module):
 
         `stream`: this block's clean stream (extended to cover x here); `previous`: the previous
         block's, covering x, which a block reading the relay channel needs (`encode_context`)."""
-        c_skip, c_out, c_in, c_noise = self.coefficients(sigma.float(), self.sigma_data, self.cfg.edm_skip)
-        c_skip, c_out, c_in = (c[:, None, None] for c in (c_skip, c_out, c_in))
+        c_skip, c_out, c_in, c_noise = self.preconditioning(sigma)
         f = self.net(c_in * z, c_noise, x, start, chunk or self.cfg.chunk, stream, self.relay_from(previous, x))
         return self.head(self.head_norm(c_skip * z + c_out * f))
+
+    def forward_packed(self, spans: list[Span], z: torch.Tensor, sigma: torch.Tensor, streams: list[CleanStream],
+                       previous: list[CleanStream | None]) -> torch.Tensor:
+        """`forward` for several sequences packed into one (`BlockNet.forward_packed`), all at noise level
+        sigma: z (1, sum of n, d) -> logits (1, sum of n, V)."""
+        if len(spans) == 1:  # any batch size, either layout
+            span = spans[0]
+            return self(span.x, z, sigma, span.start, span.chunk, streams[0], previous[0])
+        c_skip, c_out, c_in, c_noise = self.preconditioning(sigma)
+        relays = [self.relay_from(p, s.x) for p, s in zip(previous, spans, strict=True)]
+        f = self.net.forward_packed(c_in * z, c_noise, spans, streams, relays)
+        return self.head(self.head_norm(c_skip * z + c_out * f))
+
+    def preconditioning(self, sigma: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """c_skip, c_out, c_in shaped (B, 1, 1) to scale z, and c_noise (B,), for noise levels sigma (B,)."""
+        c_skip, c_out, c_in, c_noise = self.coefficients(sigma.float(), self.sigma_data, self.cfg.edm_skip)
+        return c_skip[:, None, None], c_out[:, None, None], c_in[:, None, None], c_noise
 
     def encode(self, x: torch.Tensor, stream: CleanStream, previous: CleanStream | None = None) -> None:
         """Extend this block's clean stream over x (B, L); `previous` as for forward."""

@@ -4,10 +4,21 @@ import pytest
 import torch
 
 from spheroid import checkpoint
-from spheroid.chain import denoise, encode_context, generate, score, score_bound
+from spheroid.chain import denoise, encode_context, euler_steps, generate, score, score_bound
 from spheroid.checkpoint import CheckpointError
 from spheroid.config import ModelConfig, RunConfig, override
-from spheroid.model import CleanStream, DiffusionBlock, KVCache, Reference, attention_mask, make_codebook
+from spheroid.model import (
+    CleanStream,
+    DiffusionBlock,
+    KVCache,
+    Reference,
+    Span,
+    attention_mask,
+    make_codebook,
+    packed_causal,
+    packed_kv,
+)
+from spheroid.noise import sigma_grid
 from spheroid.train import (
     block_loss,
     clear_run,
@@ -330,6 +341,64 @@ def test_cached_clean_stream_gives_the_logits_of_the_full_forward(tiny, chunk):
     torch.testing.assert_close(block(x, z, sigma, 19, chunk, stream), full, rtol=0, atol=1e-5)
     assert stream.kv[0].k.shape[2] == stream.seen == 20  # it grew by the new bytes only
     torch.testing.assert_close(block(x, z, sigma, 19, chunk, stream), full, rtol=0, atol=1e-5)  # and reads
+
+
+def test_packed_sequences_compute_what_each_computes_alone(tiny):
+    """Serving batches concurrent sessions by packing their hops into one sequence: each must get
+    the z, logits and clean streams (relayed ones included) of its own traversal run alone, whatever
+    its window, its cached prefix, its chunk size and the others beside it."""
+    cfg = with_model(tiny, layers_per_block=2, context=32)
+    blocks, codebook = dict(enumerate(blocks_for(cfg))), make_codebook(cfg.model)
+    grid = sigma_grid(cfg.noise, 4)
+    gen = torch.Generator().manual_seed(0)
+    # (window length, cached prefix, noisy positions from start, chunk)
+    shapes = [(20, 19, 1, 1), (9, 0, 3, 3), (30, 12, 2, 1), (5, 5, 1, 1)]
+    alone, packed, spans, zs = [], [], [], []
+    for length, cached, n, chunk in shapes:
+        x = torch.randint(0, 256, (1, length), generator=gen)
+        span = Span(x, length - 1 if n == 1 else length - n, n, chunk)
+        z = torch.randn(1, n, cfg.model.d_model, generator=gen)
+        for streams in (alone, packed):
+            streams.append({})
+            if cached:
+                encode_context(list(blocks.values()), x[:, :cached], streams[-1])
+        spans.append(span)
+        zs.append(z)
+    one = [euler_steps(blocks, cfg.noise, grid, codebook, [s], z, range(4), None, [st])
+           for s, z, st in zip(spans, zs, alone, strict=True)]
+    together = euler_steps(blocks, cfg.noise, grid, codebook, spans, torch.cat(zs, dim=1), range(4), None, packed)
+    torch.testing.assert_close(together, torch.cat(one, dim=1), rtol=0, atol=1e-5)
+    for mine, theirs in zip(packed, alone, strict=True):
+        for b in range(4):
+            torch.testing.assert_close(mine[b].out, theirs[b].out, rtol=0, atol=1e-5)
+            torch.testing.assert_close(mine[b].kv[1].v, theirs[b].kv[1].v, rtol=0, atol=1e-5)
+    sigma = torch.full((1,), cfg.noise.sigma_min)
+    logits = blocks[3].forward_packed(spans, together, sigma, [s[3] for s in packed], [s[2] for s in packed])
+    expected = [blocks[3](s.x, z, sigma, s.start, s.chunk, st[3], st[2]) for s, z, st in zip(spans, one, alone,
+                                                                                            strict=True)]
+    torch.testing.assert_close(logits, torch.cat(expected, dim=1), rtol=0, atol=1e-5)
+
+
+def test_packed_reference_layers_extend_each_sessions_cache(tiny):
+    """The reference pipeline's batched hops: new positions of sessions holding different prefixes."""
+    model = randomize(Reference(with_model(tiny, context=32).model)).eval()
+    texts = [torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(n)) for n in (12, 7, 20)]
+    held = [5, 0, 19]
+    caches = [[KVCache() for _ in model.layers] for _ in texts]
+    with torch.no_grad():
+        for text, h0, cache in zip(texts, held, caches, strict=True):
+            h = model.embed(text[:, :h0], 0)
+            for layer, c in zip(model.layers, cache, strict=True):
+                h = layer(h, None, None, c) if h0 else h
+        new = [t.shape[1] - h0 for t, h0 in zip(texts, held, strict=True)]
+        h = torch.cat([model.embed(t[:, h0:], h0) for t, h0 in zip(texts, held, strict=True)], dim=1)
+        mask = packed_causal(held, new, h.device)
+        for n, layer in enumerate(model.layers):
+            h = layer(h, mask, None, packed_kv([c[n] for c in caches], new))
+        for text, part in zip(texts, h.split(new, dim=1), strict=True):
+            whole = model.head(model.norm(part[:, -1]))
+            torch.testing.assert_close(whole, model(text)[:, -1], rtol=0, atol=1e-5)
+    assert [c[0].k.shape[2] for c in caches] == [12, 7, 20]
 
 
 def test_relayed_streams_grown_byte_by_byte_match_the_whole_context(tiny):

@@ -126,16 +126,28 @@ def test_speculative_decoding_through_the_pipeline_is_ar_in_fewer_traversals(ser
     assert got["data"] == generate(blocks, cfg.noise, codebook, prompt, 40, 1, 0.8, 5, draft=4)
 
 
-def test_sixteen_concurrent_sessions_complete_with_the_right_lengths(servers):
-    head, _, _ = pipeline(servers)
+def test_sixteen_concurrent_sessions_are_batched_and_give_local_bytes(servers, model_dir):
+    """Hops of concurrent sessions run packed into one sequence per layer call (model.Span): each
+    session still gets the bytes it gets alone (greedy, so that the packing's float rounding, about
+    1e-6, would have to meet a near tie to change a byte), and the nodes ran fewer batches than hops."""
+    head, (mid,), tail = pipeline(servers)
+    cfg, blocks, codebook = load_chain(model_dir, torch.device("cpu"))
+    modes = [("ar", 1), ("spec", 4), ("sweep", 4)]
+    requests = [{"prompt": f"session {i} of the test ".encode(), "n_bytes": 10 + i, "mode": modes[i % 3][0],
+                 "k": modes[i % 3][1], "temperature": 0.0, "seed": i, "route": []} for i in range(16)]
+    before = [n.status()["serving"] for n in (head, mid, tail)]
 
     async def many() -> list[dict]:
-        return await asyncio.gather(*(remote_generate(head.addr, CLIENT, {
-            "prompt": f"session {i} ".encode(), "n_bytes": 10 + i, "mode": "sweep" if i % 2 else "ar", "k": 4,
-            "temperature": 0.8, "seed": i, "route": []}) for i in range(16)))
+        return await asyncio.gather(*(remote_generate(head.addr, CLIENT, r) for r in requests))
 
-    for i, result in enumerate(asyncio.run(many())):
-        assert len(result["data"]) == result["bytes"] == 10 + i
+    for r, result in zip(requests, asyncio.run(many()), strict=True):
+        chunk, draft = (r["k"], 0) if r["mode"] == "sweep" else (1, r["k"] if r["mode"] == "spec" else 0)
+        assert result["data"] == generate(blocks, cfg.noise, codebook, r["prompt"], r["n_bytes"], chunk, 0.0, r["seed"],
+                                          draft=draft), r
+    after = [n.status()["serving"] for n in (head, mid, tail)]
+    hops = [a["hops"] - b["hops"] for a, b in zip(after, before, strict=True)]
+    batches = [a["batches"] - b["batches"] for a, b in zip(after, before, strict=True)]
+    assert all(b < h for b, h in zip(batches, hops, strict=True)), (batches, hops)
 
 
 def test_a_dead_middle_hop_is_routed_around_or_fails_clearly(servers):

@@ -3,7 +3,9 @@
 A client sends `generate` or `score` to any serving node, which becomes the request's coordinator:
 it picks a route (spheroid/pipeline.py) and, for every traversal, sends a `hop` to the route's
 first node. Each node on the route runs the Euler steps of its blocks (in a worker thread, so the
-event loop, and a training loop beside it, keep going) and streams the noisy tensor to the next;
+event loop, and a training loop beside it, keep going; the hops of concurrent sessions that arrive
+while a batch runs make the next batch, packed into one sequence per layer call: `Batcher`) and
+streams the noisy tensor to the next;
 the first node draws the starting noise itself, the last one reads off the logits and sends the
 bytes (or, for scoring, the summed negative log-likelihood) to the coordinator in `hop_done`.
 Activations move node to node and never through the client or the coordinator. With the relay
@@ -46,7 +48,7 @@ import torch.nn.functional as fn
 from .. import checkpoint
 from ..chain import DEFAULT_DRAFT, accept_draft, euler_steps, next_traversal, sample_bytes, starting_noise, window_start
 from ..config import RunConfig
-from ..model import CleanStream, KVCache, make_codebook
+from ..model import CleanStream, KVCache, Span, make_codebook, packed_causal, packed_kv
 from ..noise import sigma_grid
 from ..pipeline import Hop, NoRoute, build_route, check_route, serving_range
 from ..train import block_from, load_reference
@@ -146,10 +148,79 @@ class SessionCache:
             return len(self._sessions)
 
 
+@dataclass
+class Prepared:
+    """A BlockTrain hop checked and ready for this node's steps: its span, starting z (1, n, d), the
+    session's clean streams (block index -> stream) and the session (None when scoring)."""
+
+    span: Span
+    z: torch.Tensor
+    streams: dict[int, CleanStream]
+    session: Session | None
+
+
+def _catch(work: Callable, *args: object) -> object:
+    """work(*args), or the ValueError it raised: one hop's failure refuses that hop, not its batch."""
+    try:
+        return work(*args)
+    except ValueError as exc:
+        return exc
+
+
+class Batcher:
+    """Runs a node's hops in one worker thread, a batch at a time: each batch takes every hop that
+    arrived while the previous one ran (at most `max_hops`, one per session), so concurrent sessions
+    share each layer call instead of taking turns (continuous batching). An idle node runs a hop at
+    once, alone, so one session waits for nothing.
+
+    `compute` maps a list of hops to a list of results, an exception standing for a refused hop.
+    """
+
+    def __init__(self, compute: Callable[[list], list], spawn: Callable, counters: dict, max_hops: int = 32) -> None:
+        self.compute, self.spawn, self.counters, self.max_hops = compute, spawn, counters, max_hops
+        self.queue: list[tuple[object, str, asyncio.Future]] = []
+        self.busy = False
+
+    async def run(self, hop: object, session: str) -> object:
+        """The result of `hop` (of `session`) once its batch has run; raises what refused it."""
+        future = asyncio.get_running_loop().create_future()
+        self.queue.append((hop, session, future))
+        if not self.busy:
+            self.busy = True
+            self.spawn(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self.queue:
+                batch, sessions, later = [], set(), []
+                for item in self.queue:  # a session's hops stay in order, one per batch
+                    if len(batch) < self.max_hops and item[1] not in sessions:
+                        batch.append(item)
+                        sessions.add(item[1])
+                    else:
+                        later.append(item)
+                self.queue = later
+                try:
+                    results = await asyncio.to_thread(self.compute, [hop for hop, _, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - whatever failed, every hop of the batch hears it
+                    results = [exc] * len(batch)
+                self.counters["batches"] += 1
+                for (_, _, future), result in zip(batch, results, strict=True):
+                    if future.done():  # its hop was cancelled
+                        continue
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self.busy = False
+
+
 class PipelineServer(ABC):
     """What every serving node does: coordinate client requests along routes, and relay hops.
 
-    Subclasses say what a hop computes (`_compute`) and what a request is (`_generate`, `_score`).
+    Subclasses say what a batch of hops computes (`_compute_batch`) and what a request is (`_generate`, `_score`).
     """
 
     kind = ""
@@ -166,7 +237,8 @@ class PipelineServer(ABC):
         self.sessions = SessionCache(int(cache_mb * 2**20), session_ttl)
         self.waiting: dict[tuple[str, int], asyncio.Future] = {}
         self.counters = {"hops": 0, "requests": 0, "traversals": 0, "failed_hops": 0, "reroutes": 0,
-                         "relayed_rows": 0}
+                         "relayed_rows": 0, "batches": 0}
+        self.batcher = Batcher(self._compute_batch, node.spawn, self.counters)
         node.handlers.update(hop=self.on_hop, hop_done=self.on_hop_done, hop_error=self.on_hop_error,
                              generate=self.on_generate, score=self.on_score)
         node.status_parts["serving"] = self.status
@@ -330,7 +402,7 @@ class PipelineServer(ABC):
             if msg.model != self.model_id:
                 raise ValueError("the request is for another model than the one this node serves")
             last = at == len(route) - 1
-            result = await asyncio.to_thread(self._compute, msg, z, None if last else route[at + 1].node)
+            result = await self.batcher.run((msg, z, None if last else route[at + 1].node), msg.session)
             self.counters["hops"] += 1
             if last:
                 await self._reply(coordinator, result)
@@ -349,10 +421,10 @@ class PipelineServer(ABC):
                                                              message=str(exc)))
 
     @abstractmethod
-    def _compute(self, msg: messages.Message, z: torch.Tensor | None, next_node: str | None
-                 ) -> messages.Message | tuple[torch.Tensor, dict]:
-        """This node's part of a traversal (in a worker thread): on the last hop (`next_node` None) the
-        hop_done; before it, the tensor to pass on and the hop's fields that describe it."""
+    def _compute_batch(self, hops: list[tuple[messages.Message, torch.Tensor | None, str | None]]) -> list:
+        """This node's part of a batch of traversals (in a worker thread), each hop given as (message,
+        tensor, next node or None on the last hop). Per hop: the hop_done on the last hop; before it,
+        the tensor to pass on and the hop's fields that describe it; or the ValueError that refuses it."""
 
     def _forget_relayed(self, session: str) -> None:
         """After a failed hand-over: drop the session here, so that its next traversal recomputes it and
@@ -478,14 +550,44 @@ class BlockServer(PipelineServer):
                                             route=[h.to_wire() for h in route]))
 
     @torch.no_grad()
-    def _compute(self, msg: messages.Message, z: torch.Tensor | None, next_node: str | None
-                 ) -> messages.Message | tuple[torch.Tensor, dict]:
-        """Start from noise on the first hop, run this node's Euler steps, read off on the last.
+    def _compute_batch(self, hops: list[tuple[messages.Message, torch.Tensor | None, str | None]]) -> list:
+        """Start from noise on the first hop, run this node's Euler steps, read off on the last: for
+        every hop of the batch at once, packed into one sequence (model.Span), so concurrent sessions
+        share each layer call.
 
         With the relay channel the hop's tensor carries, after the n noisy rows, the previous node's
         last clean stream over the context positions `relay_from`.. (those the receiver does not
         hold yet for the session: after the first traversal of an `ar` session, one per byte).
         """
+        results: list = [None] * len(hops)
+        ready: list[tuple[int, Prepared]] = []
+        for i, (msg, z, _) in enumerate(hops):
+            try:
+                ready.append((i, self._prepare(msg, z)))
+            except ValueError as exc:
+                results[i] = exc
+        if not ready:
+            return results
+        spb = self.cfg.noise.steps_per_block
+        steps = range(self.first * spb, (self.last + 1) * spb)
+        z = euler_steps(self.blocks, self.cfg.noise, self.grid, self.codebook, [p.span for _, p in ready],
+                        torch.cat([p.z for _, p in ready], dim=1), steps, None, [p.streams for _, p in ready])
+        zs = dict(zip([i for i, _ in ready], z.split([p.span.n for _, p in ready], dim=1), strict=True))
+        last = [(i, p) for i, p in ready if hops[i][2] is None]
+        if last:  # the read-off, for the hops whose route ends here
+            sigma_min = torch.full((1,), self.cfg.noise.sigma_min)
+            logits = self.blocks[self.last].forward_packed(
+                [p.span for _, p in last], torch.cat([zs[i] for i, _ in last], dim=1), sigma_min,
+                [p.streams[self.last] for _, p in last], [p.streams.get(self.last - 1) for _, p in last])
+            for (i, _), part in zip(last, logits.float()[0].split([p.span.n for _, p in last]), strict=True):
+                results[i] = _catch(self._done, hops[i][0], part)
+        for i, p in ready:
+            if hops[i][2] is not None:
+                results[i] = self._hand_on(p, zs[i], hops[i][2])
+        return results
+
+    def _prepare(self, msg: messages.Message, z: torch.Tensor | None) -> Prepared:
+        """Check a hop, and gather what this node's steps need: its span, its starting z, its streams."""
         n, start = msg.n_noisy, msg.start
         x = self._context(msg)
         if not (1 <= n and start + n <= self.cfg.model.context and 1 <= msg.chunk <= n
@@ -508,22 +610,18 @@ class BlockServer(PipelineServer):
             z = z[:, :n]
         else:
             z = self._incoming(z, n)
-        spb = self.cfg.noise.steps_per_block
-        steps = range(self.first * spb, (self.last + 1) * spb)
-        z = euler_steps(self.blocks, self.cfg.noise, self.grid, self.codebook, x, z, steps, None, start, msg.chunk,
-                        streams)
-        if next_node is not None:
-            if not self.sends_relay:
-                return z, {}
-            held = session.relayed[1] if session is not None and session.relayed[0] == next_node else 0
-            if session is not None:
-                session.relayed = (next_node, x.shape[1])
-            self.counters["relayed_rows"] += x.shape[1] - held
-            return torch.cat([z, streams[self.last].out[:, held:]], dim=1), {"relay_from": held}
-        sigma_min = torch.full((1,), self.cfg.noise.sigma_min)
-        logits = self.blocks[self.last](x, z, sigma_min, start, msg.chunk, streams.get(self.last),
-                                        streams.get(self.last - 1))
-        return self._done(msg, logits.float()[0])
+        return Prepared(Span(x, start, n, msg.chunk), z, streams, session)
+
+    def _hand_on(self, hop: Prepared, z: torch.Tensor, next_node: str) -> tuple[torch.Tensor, dict]:
+        """The tensor for the next node: z, then (relay channel) the clean stream positions it lacks."""
+        if not self.sends_relay:
+            return z, {}
+        session, x = hop.session, hop.span.x
+        held = session.relayed[1] if session is not None and session.relayed[0] == next_node else 0
+        if session is not None:
+            session.relayed = (next_node, x.shape[1])
+        self.counters["relayed_rows"] += x.shape[1] - held
+        return torch.cat([z, hop.streams[self.last].out[:, held:]], dim=1), {"relay_from": held}
 
     def _take_relay(self, streams: dict[int, CleanStream], relay_from: int | None, rows: torch.Tensor,
                     n_clean: int) -> None:
@@ -615,16 +713,32 @@ class ReferenceServer(PipelineServer):
         raise ValueError("a reference pipeline only generates; score with `spheroid eval` on its checkpoint")
 
     @torch.no_grad()
-    def _compute(self, msg: messages.Message, z: torch.Tensor | None, next_node: str | None
-                 ) -> messages.Message | tuple[torch.Tensor, dict]:
-        n, start = msg.n_noisy, msg.start
-        caches = self.sessions.get(msg.session, lambda: [KVCache() for _ in self.layers]).caches
-        if caches[0].k is not None and caches[0].k.shape[2] != start:
-            self.sessions.drop(msg.session)  # out of step: the coordinator retries on a new session
-            raise ValueError(f"session {msg.session[:8]} holds {caches[0].k.shape[2]} positions, not {start}")
-        h = self.model.embed(self._context(msg), start) if msg.at == 0 else self._incoming(z, n)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, None, None, cache)
-        if next_node is not None:
-            return h, {}
-        return self._done(msg, self.model.head(self.model.norm(h[0, -1:])).float())
+    def _compute_batch(self, hops: list[tuple[messages.Message, torch.Tensor | None, str | None]]) -> list:
+        """This node's layers on the new positions of every hop of the batch, packed into one sequence
+        (each session's positions attend to its own cache); the last node reads off the next byte."""
+        results: list = [None] * len(hops)
+        ready: list[tuple[int, list[KVCache], torch.Tensor]] = []
+        for i, (msg, z, _) in enumerate(hops):
+            caches = self.sessions.get(msg.session, lambda: [KVCache() for _ in self.layers]).caches
+            held = 0 if caches[0].k is None else caches[0].k.shape[2]
+            if held != msg.start:
+                self.sessions.drop(msg.session)  # out of step: the coordinator retries on a new session
+                results[i] = ValueError(f"session {msg.session[:8]} holds {held} positions, not {msg.start}")
+                continue
+            try:
+                ready.append((i, caches, self.model.embed(self._context(msg), msg.start) if msg.at == 0
+                              else self._incoming(z, msg.n_noisy)))
+            except ValueError as exc:
+                results[i] = exc
+        if not ready:
+            return results
+        new = [h.shape[1] for _, _, h in ready]
+        h = torch.cat([h for _, _, h in ready], dim=1)
+        mask = packed_causal([hops[i][0].start for i, _, _ in ready], new, h.device)
+        for n, layer in enumerate(self.layers):
+            h = layer(h, mask, None, packed_kv([caches[n] for _, caches, _ in ready], new))
+        for (i, _, _), part in zip(ready, h.split(new, dim=1), strict=True):
+            msg, _, next_node = hops[i]
+            results[i] = (part, {}) if next_node is not None else _catch(
+                self._done, msg, self.model.head(self.model.norm(part[0, -1:])).float())
+        return results
