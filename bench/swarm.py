@@ -9,7 +9,9 @@ While the swarm trains, every `--snapshot-s` seconds the script assembles it (di
 through the emulator) and records the bytes the nodes have sent to each other so far, from the
 nodes' own counters (client traffic such as these status requests and assemblies is counted
 apart and left out). When a run is over it scores every snapshot: the chain's CE from pure noise,
-one draw (M = 1), on fixed windows of wiki.valid.tokens. Configurations compared:
+one draw (M = 1), on fixed windows of wiki.valid.tokens. Of the bytes moved, it also reports those
+of the state transfers by which each node refreshes its frozen copies of the earlier blocks it reads
+(`refresh MiB`). Configurations compared:
 
   paper  plain averaging of float32 updates every H = 10 local steps (what the paper reports)
   best   int8 updates (per-chunk scales, lz4 where it helps) every H = 50 local steps, plain
@@ -117,7 +119,8 @@ def run_config(name: str, flags: list[str], p: dict, spec: LinkSpec, work: Path,
                  for m in members}
         codes = local.stop()
     return {"config": name, "flags": flags, "snapshots": snapshots, "nodes": final, "exit_codes": codes,
-            "link_bytes": sum(sum(link.bytes.values()) for link in net.links)}
+            "link_bytes": sum(sum(link.bytes.values()) for link in net.links),
+            "refresh_bytes": sum(n["training"].get("earlier", {}).get("bytes", 0) for n in final.values())}
 
 
 def score(run: dict, windows: torch.Tensor) -> None:
@@ -206,11 +209,11 @@ def main(argv: list[str] | None = None) -> dict:
               "runs": runs, "comparison": compare(runs)}
     out.write_text(json.dumps(result, indent=2))
     plot(runs, out.with_suffix(".png"))
-    print(f"\n{'config':<7} {'flags':<44} {'final CE':>9} {'MiB moved':>10} {'wall s':>7}")
+    print(f"\n{'config':<7} {'flags':<44} {'final CE':>9} {'MiB moved':>10} {'refresh MiB':>12} {'wall s':>7}")
     for name, run in runs.items():
         last = run["snapshots"][-1]
         print(f"{name:<7} {' '.join(run['flags']):<44} {last['ce']:>9.4f} {last['bytes'] / 2**20:>10.2f} "
-              f"{last['wall_s']:>7.0f}")
+              f"{run['refresh_bytes'] / 2**20:>12.2f} {last['wall_s']:>7.0f}")
     c = result["comparison"]
     for name, row in c.get("configs", {}).items():
         if name == "paper":
