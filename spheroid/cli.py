@@ -299,7 +299,7 @@ def run_config_options(func):
         click.option("--channel", "model__channel", type=click.Choice(["relay", "z"]),
                      help="What a block reads of the blocks before it besides z: relay (its clean stream starts "
                           "from the previous block's, so the stack computes its full depth on the context) or z "
-                          "only (method.md).  [default: relay for train, z for node]"),
+                          "only (method.md).  [default: relay]"),
         click.option("--relay-loss", "model__relay_loss", type=float,
                      help="With --channel relay, the weight of a next-byte loss on each relayed clean stream, "
                           f"so that what a block hands on is trained. {default(m, 'relay_loss')}"),
@@ -320,8 +320,7 @@ def run_config_options(func):
                      help=f"Highest noise level (the chain starts there). {default(n, 'sigma_max')}"),
         click.option("--block-input", "train__block_input", type=click.Choice(["noised", "chain"]),
                      help="What a block learns to denoise: noised (e(y) + sigma eps, method.md) or chain (the "
-                          "states the earlier, frozen blocks' chain reaches).  [default: chain for train, noised "
-                          "for node]"),
+                          "states the earlier, frozen blocks' chain reaches).  [default: chain]"),
         click.option("--chunks", "train__chunks", callback=chunk_list, metavar="K,K,...",
                      help="Train under a mix of chunk sizes, one K drawn per batch (e.g. 1,4,16), so one checkpoint "
                           "serves ar, sweeps and drafts.  [default: the model's --chunk only]"),

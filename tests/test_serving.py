@@ -16,6 +16,7 @@ from spheroid.chain import generate
 from spheroid.config import NodeConfig
 from spheroid.node.client import remote_generate, remote_score
 from spheroid.node.connection import PeerGone
+from spheroid.node.serving import Batcher
 from spheroid.pipeline import Hop, NoRoute, build_route, check_route, parse_blocks, serving_range
 from spheroid.train import load_chain
 
@@ -148,6 +149,35 @@ def test_sixteen_concurrent_sessions_are_batched_and_give_local_bytes(servers, m
     hops = [a["hops"] - b["hops"] for a, b in zip(after, before, strict=True)]
     batches = [a["batches"] - b["batches"] for a, b in zip(after, before, strict=True)]
     assert all(b < h for b, h in zip(batches, hops, strict=True)), (batches, hops)
+
+
+def test_the_batcher_packs_waiting_hops_one_per_session_within_its_limits():
+    """Hops that wait while a batch runs make the next batch: one per session (its hops stay in order),
+    at most max_hops and max_positions; a refused hop fails alone, a failed batch fails every hop."""
+    batches: list[list[str]] = []
+
+    def compute(hops: list[str]) -> list:
+        batches.append(hops)
+        time.sleep(0.05)  # the batch is running: others queue up
+        return [ValueError(f"refused {h}") if h.startswith("bad") else RuntimeError("broken") if h == "boom"
+                else h.upper() for h in hops]
+
+    async def main() -> list:
+        batcher = Batcher(compute, asyncio.ensure_future, {"batches": 0}, max_hops=3, max_positions=100)
+        first = asyncio.ensure_future(batcher.run("a0", "a", 10))  # runs at once, alone
+        await asyncio.sleep(0.01)
+        rest = [batcher.run(h, h[0], size) for h, size in
+                (("a1", 10), ("b0", 10), ("c0", 10), ("d0", 10), ("e0", 95), ("bad", 10))]
+        results = await asyncio.gather(first, *rest, return_exceptions=True)
+        boom = await asyncio.gather(batcher.run("boom", "x", 1), return_exceptions=True)
+        return [*results, *boom, batcher.counters["batches"]]
+
+    *results, boom, count = asyncio.run(main())
+    assert results[:6] == ["A0", "A1", "B0", "C0", "D0", "E0"]
+    assert isinstance(results[6], ValueError) and isinstance(boom, RuntimeError)
+    assert batches[0] == ["a0"] and batches[1] == ["a1", "b0", "c0"]  # three at most
+    assert batches[2] == ["d0", "bad"] and batches[3] == ["e0"]  # 95 positions fit in no batch with d0
+    assert count == len(batches) == 5
 
 
 def test_a_dead_middle_hop_is_routed_around_or_fails_clearly(servers):

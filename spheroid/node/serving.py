@@ -169,22 +169,26 @@ def _catch(work: Callable, *args: object) -> object:
 
 class Batcher:
     """Runs a node's hops in one worker thread, a batch at a time: each batch takes every hop that
-    arrived while the previous one ran (at most `max_hops`, one per session), so concurrent sessions
-    share each layer call instead of taking turns (continuous batching). An idle node runs a hop at
-    once, alone, so one session waits for nothing.
+    arrived while the previous one ran (one per session, at most `max_hops` and `max_positions`
+    positions in all, since a packed batch's attention mask grows with the square of its positions),
+    so concurrent sessions share each layer call instead of taking turns (continuous batching). An
+    idle node runs a hop at once, alone, so one session waits for nothing.
 
     `compute` maps a list of hops to a list of results, an exception standing for a refused hop.
     """
 
-    def __init__(self, compute: Callable[[list], list], spawn: Callable, counters: dict, max_hops: int = 32) -> None:
-        self.compute, self.spawn, self.counters, self.max_hops = compute, spawn, counters, max_hops
-        self.queue: list[tuple[object, str, asyncio.Future]] = []
+    def __init__(self, compute: Callable[[list], list], spawn: Callable, counters: dict, max_hops: int = 32,
+                 max_positions: int = 2048) -> None:
+        self.compute, self.spawn, self.counters = compute, spawn, counters
+        self.max_hops, self.max_positions = max_hops, max_positions
+        self.queue: list[tuple[object, str, int, asyncio.Future]] = []
         self.busy = False
 
-    async def run(self, hop: object, session: str) -> object:
-        """The result of `hop` (of `session`) once its batch has run; raises what refused it."""
+    async def run(self, hop: object, session: str, positions: int) -> object:
+        """The result of `hop` (of `session`, over about `positions` positions) once its batch has run;
+        raises what refused it."""
         future = asyncio.get_running_loop().create_future()
-        self.queue.append((hop, session, future))
+        self.queue.append((hop, session, positions, future))
         if not self.busy:
             self.busy = True
             self.spawn(self._drain())
@@ -193,20 +197,22 @@ class Batcher:
     async def _drain(self) -> None:
         try:
             while self.queue:
-                batch, sessions, later = [], set(), []
+                batch, sessions, positions, later = [], set(), 0, []
                 for item in self.queue:  # a session's hops stay in order, one per batch
-                    if len(batch) < self.max_hops and item[1] not in sessions:
+                    fits = not batch or (len(batch) < self.max_hops and positions + item[2] <= self.max_positions)
+                    if fits and item[1] not in sessions:
                         batch.append(item)
                         sessions.add(item[1])
+                        positions += item[2]
                     else:
                         later.append(item)
                 self.queue = later
                 try:
-                    results = await asyncio.to_thread(self.compute, [hop for hop, _, _ in batch])
+                    results = await asyncio.to_thread(self.compute, [hop for hop, _, _, _ in batch])
                 except Exception as exc:  # noqa: BLE001 - whatever failed, every hop of the batch hears it
                     results = [exc] * len(batch)
                 self.counters["batches"] += 1
-                for (_, _, future), result in zip(batch, results, strict=True):
+                for (_, _, _, future), result in zip(batch, results, strict=True):
                     if future.done():  # its hop was cancelled
                         continue
                     if isinstance(result, Exception):
@@ -402,7 +408,8 @@ class PipelineServer(ABC):
             if msg.model != self.model_id:
                 raise ValueError("the request is for another model than the one this node serves")
             last = at == len(route) - 1
-            result = await self.batcher.run((msg, z, None if last else route[at + 1].node), msg.session)
+            result = await self.batcher.run((msg, z, None if last else route[at + 1].node), msg.session,
+                                            len(msg.ctx) + msg.n_noisy)
             self.counters["hops"] += 1
             if last:
                 await self._reply(coordinator, result)
