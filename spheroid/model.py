@@ -1,9 +1,10 @@
 """The models: one self-contained diffusion block, the end-to-end reference, and the shared codebook.
 
 Read top-down: the codebook, the attention mask of the clean/noisy layout, the caches of a clean
-stream, the transformer layer (optionally modulated by the noise level, AdaLN-style), the
-noise-level embedding, the block's network F, the EDM preconditioning wrapper around it, and the
-end-to-end references (plain causal, and two-stream like the blocks).
+stream, packing several sequences into one (a serving node's batch of sessions), the transformer
+layer (optionally modulated by the noise level, AdaLN-style), the noise-level embedding, the
+block's network F, the EDM preconditioning wrapper around it, and the end-to-end references (plain
+causal, and two-stream like the blocks).
 
 Shapes: B batch, L clean context bytes, N noisy target positions, d model width, V = 256.
 """
@@ -307,8 +308,9 @@ class BlockNet(nn.Module):
         new = [xs[i].shape[1] - s for i, s in zip(todo, seen, strict=True)]
         parts = []
         for i, s in zip(todo, seen, strict=True):
-            h = self.tok_emb(xs[i][:, s:]) + self.pos_emb[s : xs[i].shape[1]]  # (B, L - seen, d)
-            parts.append(h if relays[i] is None else h + relays[i][:, s:])
+            n_clean = xs[i].shape[1]
+            h = self.tok_emb(xs[i][:, s:]) + self.pos_emb[s:n_clean]  # (B, L - seen, d)
+            parts.append(h if relays[i] is None else h + relays[i][:, s:n_clean])
         h = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
         mask = packed_causal(seen, new, h.device)
         for n, layer in enumerate(self.layers):
