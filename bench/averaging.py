@@ -11,7 +11,9 @@ For each N in --procs it runs N processes twice, on 127.0.0.1, with the same ten
 
 Every round starts at one wall-clock instant in all processes (each waits for it), after one
 untimed warm-up round. The time of a round is from that instant to the last process's end; the
-table gives the median over --rounds. Bytes sent per node: what the kernel counted on the loopback
+table gives the median over --rounds. CPU: each process's CPU time (all its threads) spent in the
+timed rounds' averaging, per round: on a machine with fewer cores than processes it is what the
+round's time is made of. Bytes sent per node: what the kernel counted on the loopback
 interface (/proc/net/dev, "lo") during the timed rounds, divided by N, the same count for both; and
 for spheroid, the nodes' own counters of wire bytes sent. Nothing else should use loopback while
 this runs. The ratio columns put spheroid against gloo, measured in the same run.
@@ -37,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from spheroid.averaging import AveragingConfig, Replica, SharedState  # noqa: E402
+from spheroid.cli import run_async  # noqa: E402
 from spheroid.config import NodeConfig  # noqa: E402
 from spheroid.launch import free_ports  # noqa: E402
 from spheroid.node.averager import Averager  # noqa: E402
@@ -81,21 +84,24 @@ async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
         replica = Replica(node.id, SharedState.create(0, 0, genesis, None), AveragingConfig(wait=a.interval),
                           expected=set(node.conns))
         averager = Averager(node, 0, replica, "fp32", "none")
-        rounds, sent = [], 0
+        rounds, sent, cpu = [], 0, 0.0
         for r in range(-1, a.rounds):  # round -1: the warm-up
             start = a.start + (r + 1) * a.interval
             delta = update(a.rank, r, a.params)
             await sleep_until(start)
             if r == 0:
                 await averager.flush()
-                sent = node.traffic.totals()["sent"]["wire_bytes"]
+                sent, cpu = node.traffic.totals()["sent"]["wire_bytes"], 0.0
+            cpu -= time.process_time()  # (the update's making is not the round's work)
             closed = await averager.round(delta, 8)
+            cpu += time.process_time()
             rounds.append({"start": start, "end": time.time(), "contributors": len(closed.contributors),
                            "missing": closed.missing, "hash": closed.state.version.hash})
+        cpu -= time.process_time()
         await averager.flush()
-        sent = node.traffic.totals()["sent"]["wire_bytes"] - sent
+        sent, cpu = node.traffic.totals()["sent"]["wire_bytes"] - sent, cpu + time.process_time()
         await sleep_until(a.start + (a.rounds + 1) * a.interval)  # the others may still be sending to it
-        return {"rounds": rounds[1:], "sent_bytes_per_round": sent / a.rounds}
+        return {"rounds": rounds[1:], "sent_bytes_per_round": sent / a.rounds, "cpu_s_per_round": cpu / a.rounds}
     finally:
         await node.stop()
         ident.release()
@@ -107,16 +113,18 @@ def gloo_member(a: argparse.Namespace) -> dict:
     port = int(a.ports.split(",")[0])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=a.rank, world_size=a.n)
     try:
-        rounds = []
+        rounds, cpu = [], 0.0
         for r in range(-1, a.rounds):
             start = a.start + (r + 1) * a.interval
             x = update(a.rank, r, a.params)
             time.sleep(max(0.0, start - time.time()))
+            cpu -= time.process_time() if r >= 0 else 0.0
             dist.all_reduce(x)
             x /= a.n
             rounds.append({"start": start, "end": time.time()})
+            cpu += time.process_time() if r >= 0 else 0.0
         dist.barrier()
-        return {"rounds": rounds[1:]}
+        return {"rounds": rounds[1:], "cpu_s_per_round": cpu / a.rounds}
     finally:
         dist.destroy_process_group()
 
@@ -151,7 +159,8 @@ def run(kind: str, n: int, params: int, rounds: int, interval: float, setup_s: f
     if late:
         raise RuntimeError(f"{kind} rounds took {max(late):.2f}s, longer than --interval {interval}: raise it")
     row = {"system": kind, "procs": n, "round_s": statistics.median(times), "round_s_all": times,
-           "loopback_bytes_per_node": (tx1 - tx0) / n / rounds}
+           "loopback_bytes_per_node": (tx1 - tx0) / n / rounds,
+           "cpu_s_per_node": statistics.mean(m["cpu_s_per_round"] for m in results)}
     if kind == "spheroid":
         row["node_bytes_per_node"] = statistics.mean(m["sent_bytes_per_round"] for m in results)
         row["agree"] = all(len({m["rounds"][r]["hash"] for m in results}) == 1 for r in range(rounds))
@@ -178,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.member:
         torch.set_num_threads(1)
         tune_allocator()  # as `spheroid node` does (both systems: it is only glibc's heap)
-        result = (asyncio.run(spheroid_member(a, a.folder)) if a.member == "spheroid" else gloo_member(a))
+        result = (run_async(spheroid_member(a, a.folder)) if a.member == "spheroid" else gloo_member(a))
         a.member_out.write_text(json.dumps(result))
         return result
 
@@ -195,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
         ours = next(r for r in rows if r["procs"] == n and r["system"] == "spheroid")
         table.append({"procs": n, "gloo_round_s": gloo["round_s"], "spheroid_round_s": ours["round_s"],
                       "time_ratio": ours["round_s"] / gloo["round_s"],
+                      "gloo_cpu_s_per_node": gloo["cpu_s_per_node"], "spheroid_cpu_s_per_node": ours["cpu_s_per_node"],
                       "gloo_bytes_per_node": gloo["loopback_bytes_per_node"],
                       "spheroid_bytes_per_node": ours["loopback_bytes_per_node"],
                       "spheroid_bytes_over_tensor": ours["loopback_bytes_per_node"] / tensor_bytes,
@@ -205,11 +215,13 @@ def main(argv: list[str] | None = None) -> dict:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
     print(f"\none averaging round of {tensor_bytes / 2**20:.0f} MiB (float32), median of {a.rounds}; bytes sent "
-          f"per node on loopback, as a multiple of the tensor")
-    print(f"{'procs':>5} | {'gloo s':>7} | {'spheroid s':>10} | {'ratio':>5} | {'gloo x':>6} | {'spheroid x':>10} | "
-          f"replicas agree")
+          f"per node on loopback, as a multiple of the tensor; cpu: "
+          f"seconds of CPU per node per round")
+    print(f"{'procs':>5} | {'gloo s':>7} | {'spheroid s':>10} | {'ratio':>5} | {'gloo cpu':>8} | "
+          f"{'spheroid cpu':>12} | {'gloo x':>6} | {'spheroid x':>10} | replicas agree")
     for t in table:
         print(f"{t['procs']:>5} | {t['gloo_round_s']:>7.3f} | {t['spheroid_round_s']:>10.3f} | {t['time_ratio']:>5.2f} "
+              f"| {t['gloo_cpu_s_per_node']:>8.3f} | {t['spheroid_cpu_s_per_node']:>12.3f} "
               f"| {t['gloo_bytes_over_tensor']:>6.2f} | {t['spheroid_bytes_over_tensor']:>10.2f} | "
               f"{'yes' if t['agree'] and t['complete'] else 'NO'}")
     print(f"\nJSON: {a.out}")

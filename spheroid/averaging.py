@@ -307,8 +307,8 @@ class Replica:
             return f"range {m.lo}:{m.hi} outside the block's {self.n_params} values"
         if m.samples < 1:
             return "no samples behind it"
-        if not math.isfinite(float(m.delta.sum(dtype=torch.float64))):  # (float64: finite iff every value is)
-            return "NaN or Inf in it"
+        if not math.isfinite(float(m.delta.sum())):  # (one pass; finite values big enough to overflow fail too)
+            return "NaN, Inf or overflowing values in it"
         if m.round < self.round:
             return "late" if m.round == self.round - 1 else "stale round"
         if m.round > self.round + 1:
@@ -352,8 +352,8 @@ class Replica:
         used = sorted(s for s in self.parts if s not in self.rejected)  # a fixed order: the same sums anywhere
         total = sum(self.parts[s].samples for s in used)  # (>= 1: the median part is never an outlier)
         lo, hi = self.range
-        average = torch.zeros(hi - lo)
-        for s in used:
+        average = torch.mul(self.parts[used[0]].delta, self.parts[used[0]].samples / total)
+        for s in used[1:]:
             average.add_(self.parts[s].delta, alpha=self.parts[s].samples / total)
         mine = Reduced(self.me, self.round, self.state.version.hash, lo, hi, used, total, average)
         self.reduced[self.me] = Reduced(**{**mine.__dict__, "delta": self.wire(average)})
@@ -384,14 +384,14 @@ class Replica:
 
     def close(self) -> Closed:
         """Assemble the averaged ranges, apply the outer step, move to the next round's shared state."""
-        average = torch.zeros_like(self.state.params)
+        average = torch.empty_like(self.state.params)  # (every range is written below: one pass over it)
         carry = None
         contributors: set[str] | None = None
         samples = []
         for owner, (lo, hi) in self.ranges.items():
             got = self.reduced.get(owner)
+            average[lo:hi] = got.delta if got is not None else 0.0
             if got is not None:
-                average[lo:hi] = got.delta
                 samples.append(got.samples)
                 contributors = set(got.contributors) if contributors is None else contributors & set(got.contributors)
             if got is None or self.me not in got.contributors:  # not averaged: stays this replica's progress

@@ -14,7 +14,9 @@ import signal
 import sys
 import threading
 import tomllib
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 import torch
@@ -651,14 +653,16 @@ def codebook(reference, out) -> None:
                f"train every block with: --codebook-file {out} --codebook-sha256 {digest}")
 
 
-def run_async(coro) -> None:
-    """Run a coroutine on uvloop when it is installed, else on plain asyncio."""
+T = TypeVar("T")
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on uvloop when it is installed, else on plain asyncio; its result."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 def read_secret(path: str | None) -> bytes | None:

@@ -183,7 +183,7 @@ def close_alone(r: Replica, delta: torch.Tensor, now: float = 0.0):
 
 @pytest.mark.parametrize("bad, reason", [
     (lambda u: setattr(u, "delta", torch.full((u.hi - u.lo,), float("nan"))), "NaN"),
-    (lambda u: setattr(u, "delta", torch.tensor([1.0, float("inf")]).repeat((u.hi - u.lo) // 2)), "NaN or Inf"),
+    (lambda u: setattr(u, "delta", torch.tensor([1.0, float("inf")]).repeat((u.hi - u.lo) // 2)), "NaN, Inf"),
     (lambda u: setattr(u, "delta", torch.zeros(u.hi - u.lo + 1)), "wrong shape"),
     (lambda u: setattr(u, "delta", torch.zeros(u.hi - u.lo, dtype=torch.float16)), "wrong shape"),
     (lambda u: setattr(u, "round", 5), "future round"),

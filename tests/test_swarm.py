@@ -173,4 +173,4 @@ def test_bad_updates_from_the_wire_are_rejected_and_the_node_keeps_training(swar
     before = training(node)["step"]
     wait_until(lambda: training(node)["step"] > before, 30, "training to go on")
     log = node.log.read_text()
-    assert "NaN or Inf" in log and "wrong shape" in log
+    assert "NaN, Inf" in log and "wrong shape" in log

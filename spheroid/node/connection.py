@@ -110,11 +110,13 @@ class Connection:
         """Stream a tensor in chunk frames; returns the stream id to reference in a later message.
 
         Each chunk is encoded (cast, quantised, compressed) in a worker thread, so the event loop
-        keeps serving other peers while a large tensor goes out.
+        keeps serving other peers while a large tensor goes out; raw chunks, which encoding only
+        copies, are encoded in place (a thread's hand-off per chunk cost more than the copy).
         """
         stream = next(self._streams)
         frames = stream_frames(tensor, stream, self.next_id, codec, compression)
-        while (out := await asyncio.to_thread(next, frames, None)) is not None:
+        inline = codec == "raw" and compression == "none"
+        while (out := next(frames, None) if inline else await asyncio.to_thread(next, frames, None)) is not None:
             await self._write(out.frame, out.kind, out.raw)
         return stream
 

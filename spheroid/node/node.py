@@ -96,17 +96,19 @@ class QuietLog:
 
 def tune_allocator() -> None:
     """Keep the receive path's frame-sized buffers (up to 4 MiB, several allocated and freed per stream
-    chunk) on the heap rather than in fresh mmaps whose pages fault in on every use. glibc's dynamic
-    threshold otherwise flips between the two with the order of allocations: one such flip halved a
-    node's stream throughput (bench/wire.py, 0.46 instead of 0.8 of a raw socket). Call once per node
-    process; does nothing without glibc."""
+    chunk) and a round's block-sized vectors (up to 32 MiB, glibc's largest threshold) on the heap
+    rather than in fresh mmaps whose pages fault in on every use. glibc's dynamic threshold otherwise
+    flips between the two with the order of allocations: one such flip halved a node's stream
+    throughput (bench/wire.py, 0.46 instead of 0.8 of a raw socket), and a 16 MiB vector in a fresh
+    mmap costs 4,097 page faults (13 ms) each time. Call once per node process; does nothing without
+    glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return
     m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters, from malloc.h
-    libc.mallopt(m_mmap_threshold, 16 << 20)
-    libc.mallopt(m_trim_threshold, 64 << 20)
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 128 << 20)
 
 
 def open_session(me: dict, cfg: NodeConfig, secret: bytes | None, dialler: bool, budget: Budget | int) -> Session:

@@ -9,6 +9,7 @@ message schema. Nothing here touches a socket, so every property is tested on pl
 from __future__ import annotations
 
 import struct
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -90,7 +91,10 @@ class Decoder:
     def __init__(self, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS) -> None:
         self.max_frame = max_frame
         self.limits = limits
-        self._buffer = bytearray()
+        # What arrived and is not yet a frame, as received: a frame's bytes are joined once, when it
+        # is complete (appending to one growing buffer copied a large frame several times over).
+        self._pieces: deque[bytes | memoryview] = deque()
+        self._size = 0
         self._need: int | None = None  # body length of the frame being read, once its header is in
         self.error: ProtocolError | None = None
 
@@ -110,7 +114,9 @@ class Decoder:
         """Buffer data; `next_message` then takes the messages out one at a time."""
         if self.error is not None:
             raise self.error
-        self._buffer += data
+        if data:
+            self._pieces.append(data if isinstance(data, bytes) else bytes(data))
+            self._size += len(data)
 
     def next_message(self) -> Received | None:
         """The next complete message, or None until more bytes arrive. Each frame's length is checked
@@ -120,27 +126,41 @@ class Decoder:
             raise self.error
         try:
             if self._need is None:
-                if len(self._buffer) < HEADER.size:
+                if self._size < HEADER.size:
                     return None
-                (length,) = HEADER.unpack_from(self._buffer)
+                (length,) = HEADER.unpack(self._take(HEADER.size))
                 if length == 0:
                     raise ProtocolError("bad_frame", "zero-length frame")
                 if length > self.max_frame:
                     raise ProtocolError("too_large", f"frame of {length} bytes exceeds {self.max_frame}")
-                del self._buffer[: HEADER.size]
                 self._need = length
-            if len(self._buffer) < self._need:
+            if self._size < self._need:
                 return None
-            with memoryview(self._buffer) as view:
-                body = bytes(view[: self._need])  # one copy, then the buffer can shrink
-            del self._buffer[: self._need]
+            body = self._take(self._need)
             self._need = None
             return Received(decode_body(body, self.max_frame, self.limits), HEADER.size + len(body), body)
         except ProtocolError as exc:
             self.error = exc
             raise
 
+    def _take(self, n: int) -> bytes:
+        """The first n buffered bytes (n <= what is buffered), out of the buffer: one copy at most."""
+        taken: list[bytes | memoryview] = []
+        while n:
+            piece = self._pieces[0]
+            if len(piece) <= n:
+                taken.append(self._pieces.popleft())
+            else:
+                view = memoryview(piece)
+                taken.append(view[:n])
+                self._pieces[0] = view[n:]
+            n -= len(taken[-1])
+            self._size -= len(taken[-1])
+        if len(taken) == 1 and isinstance(taken[0], bytes):
+            return taken[0]
+        return b"".join(taken)
+
     @property
     def buffered(self) -> int:
         """Bytes held that do not yet form a complete frame (0 between frames)."""
-        return len(self._buffer) + (HEADER.size if self._need is not None else 0)
+        return self._size + (HEADER.size if self._need is not None else 0)
