@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from spheroid.wire import EncodedTensor, decode_body, encode, encode_tensor
+from spheroid.wire import EncodedTensor, decode_body, encode, encode_tensor_pieces
 
 HERE = Path(__file__).parent / "vectors"
 
@@ -40,7 +40,7 @@ def from_json(value):
         t = value["$tensor"]
         dtype = getattr(torch, t["dtype"])
         tensor = torch.tensor(t.get("input", t["values"]), dtype=torch.float64).to(dtype).view(t["shape"])
-        return EncodedTensor(encode_tensor(tensor, t["codec"], t["compression"]))
+        return EncodedTensor(encode_tensor_pieces(tensor, t["codec"], t["compression"]))
     if isinstance(value, dict):
         return {k: from_json(v) for k, v in value.items()}
     if isinstance(value, list):

@@ -7,9 +7,10 @@ from .codec import MAX_FRAME, Decoder, EncodedTensor, Received, decode_body, enc
 from .errors import ProtocolError
 from .messages import SCHEMAS, VERSION, validate
 from .streams import StreamAssembler, stream_frames, through_codec
-from .tensors import decode_tensor, encode_tensor
+from .tensors import decode_tensor, encode_tensor, encode_tensor_pieces
 
 __all__ = [
     "MAX_FRAME", "SCHEMAS", "VERSION", "Decoder", "EncodedTensor", "ProtocolError", "Received", "StreamAssembler",
-    "decode_body", "decode_tensor", "encode", "encode_tensor", "stream_frames", "through_codec", "validate",
+    "decode_body", "decode_tensor", "encode", "encode_tensor", "encode_tensor_pieces", "stream_frames", "through_codec",
+    "validate",
 ]

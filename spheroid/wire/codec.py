@@ -27,14 +27,19 @@ MAX_STR = 1 << 16
 
 @dataclass(frozen=True)
 class EncodedTensor:
-    """A tensor already turned into its extension payload (for encoding off the event loop)."""
+    """A tensor already turned into its extension payload, in pieces (for encoding off the event
+    loop, and writing the data without joining it to the frame's other bytes)."""
 
-    payload: bytes
+    pieces: list[bytes]
+
+    @property
+    def size(self) -> int:
+        return sum(len(p) for p in self.pieces)
 
 
 def _default(obj: Any) -> Any:
     if isinstance(obj, EncodedTensor):
-        return msgpack.ExtType(EXT_TENSOR, obj.payload)
+        return msgpack.ExtType(EXT_TENSOR, b"".join(obj.pieces))
     if isinstance(obj, torch.Tensor):
         return msgpack.ExtType(EXT_TENSOR, encode_tensor(obj))
     raise TypeError(f"cannot send a {type(obj).__name__} on the wire")
@@ -42,11 +47,50 @@ def _default(obj: Any) -> Any:
 
 def encode(message: dict, max_frame: int = MAX_FRAME) -> bytes:
     """One message as one frame. Tensors travel raw unless given as EncodedTensor."""
-    body = msgpack.packb(message, default=_default, use_bin_type=True)
-    if len(body) > max_frame:
-        raise ValueError(f"{message.get('t')} message of {len(body)} bytes exceeds the frame limit of {max_frame}; "
+    return b"".join(encode_pieces(message, max_frame))
+
+
+def encode_pieces(message: dict, max_frame: int = MAX_FRAME) -> list[bytes]:
+    """One message as one frame, in pieces that join into it. An EncodedTensor at the top level of
+    the message keeps its data as a piece of its own, so that the frame is written without copying
+    it again (into msgpack's buffer, then behind the length)."""
+    pieces, small = [], []  # small: bytes not yet put in a piece
+    for key, value in message.items():
+        if isinstance(value, EncodedTensor):
+            head, data, tail = value.pieces
+            small += [msgpack.packb(key), ext_header(EXT_TENSOR, value.size), head]
+            pieces += [b"".join(small), data]
+            small = [tail]
+        else:
+            small.append(msgpack.packb(key) + msgpack.packb(value, default=_default, use_bin_type=True))
+    pieces.append(b"".join(small))
+    size = len(map_header(len(message))) + sum(len(p) for p in pieces)
+    if size > max_frame:
+        raise ValueError(f"{message.get('t')} message of {size} bytes exceeds the frame limit of {max_frame}; "
                          "send large tensors as a stream")
-    return HEADER.pack(len(body)) + body
+    pieces[0] = HEADER.pack(size) + map_header(len(message)) + pieces[0]
+    return pieces
+
+
+def map_header(n: int) -> bytes:
+    """msgpack's header of an n-entry map, in its shortest form."""
+    if n < 16:
+        return bytes([0x80 | n])
+    if n < 1 << 16:
+        return b"\xde" + n.to_bytes(2, "big")
+    return b"\xdf" + n.to_bytes(4, "big")
+
+
+def ext_header(code: int, n: int) -> bytes:
+    """msgpack's header of an n-byte extension of type `code`, in its shortest form."""
+    fixed = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}
+    if n in fixed:
+        return bytes([fixed[n], code])
+    if n < 1 << 8:
+        return b"\xc7" + n.to_bytes(1, "big") + bytes([code])
+    if n < 1 << 16:
+        return b"\xc8" + n.to_bytes(2, "big") + bytes([code])
+    return b"\xc9" + n.to_bytes(4, "big") + bytes([code])
 
 
 def decode_body(body: bytes, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS) -> dict:

@@ -16,18 +16,22 @@ from typing import NamedTuple
 
 import torch
 
-from .codec import EncodedTensor, encode
+from .codec import EncodedTensor, encode, encode_pieces
 from .errors import ProtocolError
 from .messages import StreamBegin, StreamChunk
-from .tensors import DEFAULT_LIMITS, DTYPE_NAMES, DTYPES, Limits, decode_tensor, encode_tensor
+from .tensors import DEFAULT_LIMITS, DTYPE_NAMES, DTYPES, Limits, decode_tensor, encode_tensor, encode_tensor_pieces
 
 CHUNK_BYTES = 1 << 20
 
 
 class Outgoing(NamedTuple):
     kind: str  # message type
-    frame: bytes
+    pieces: list[bytes]  # the frame, in pieces to write one after the other
     raw: int  # bytes of tensor data the frame carries, before any codec (the frame size otherwise)
+
+    @property
+    def frame(self) -> bytes:
+        return b"".join(self.pieces)
 
 
 def stream_frames(
@@ -42,11 +46,11 @@ def stream_frames(
     flat, chunk_elems, chunks = _layout(tensor, chunk_bytes)
     begin = encode(StreamBegin(id=next_id(), stream=stream, dtype=DTYPE_NAMES[flat.dtype], shape=list(tensor.shape),
                                chunks=chunks, chunk_elems=chunk_elems).to_wire())
-    yield Outgoing("stream_begin", begin, len(begin))
+    yield Outgoing("stream_begin", [begin], len(begin))
     for seq in range(chunks):
         piece = flat[seq * chunk_elems : (seq + 1) * chunk_elems]
-        data = EncodedTensor(encode_tensor(piece, codec, compression))  # encoded here, off the event loop
-        frame = encode(StreamChunk(id=next_id(), stream=stream, seq=seq, data=data).to_wire())
+        data = EncodedTensor(encode_tensor_pieces(piece, codec, compression))  # encoded here, off the event loop
+        frame = encode_pieces(StreamChunk(id=next_id(), stream=stream, seq=seq, data=data).to_wire())
         yield Outgoing("stream_chunk", frame, piece.numel() * piece.element_size())
 
 

@@ -57,6 +57,12 @@ def codec_itemsize(dtype: str, codec: str) -> int:
 
 def encode_tensor(tensor: torch.Tensor, codec: str = "raw", compression: str = "none") -> bytes:
     """A tensor as the payload of extension type 1. lz4 is kept only if it shrinks the data."""
+    return b"".join(encode_tensor_pieces(tensor, codec, compression))
+
+
+def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: str = "none") -> list[bytes]:
+    """`encode_tensor`'s payload as pieces that join into it: the header, the data, the rest. A
+    sender writes them one after the other, so the data is copied once, out of the tensor."""
     dtype = DTYPE_NAMES.get(tensor.dtype)
     if dtype is None:
         raise ValueError(f"dtype {tensor.dtype} cannot travel; use one of {sorted(DTYPES)}")
@@ -81,7 +87,19 @@ def encode_tensor(tensor: torch.Tensor, codec: str = "raw", compression: str = "
             data = packed
         else:
             compression = "none"
-    return msgpack.packb([dtype, list(tensor.shape), codec, compression, data, scales, block])
+    head = msgpack.packb([dtype, list(tensor.shape), codec, compression, b"", scales, block])
+    # the same bytes as packing `data` in place of the empty bin: its header, then itself
+    cut = len(head) - len(msgpack.packb(scales)) - len(msgpack.packb(block)) - len(msgpack.packb(b""))
+    return [head[:cut] + bin_header(len(data)), data, head[cut + 2 :]]  # (an empty bin packs as 2 bytes)
+
+
+def bin_header(n: int) -> bytes:
+    """msgpack's header of an n-byte bin, in its shortest form (as msgpack itself writes it)."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
 
 
 def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
