@@ -331,6 +331,11 @@ def run_config_options(func):
                           "newest snapshots every R steps (their genesis states until they appear); 0 = the "
                           "earlier blocks are trained first.  [default: 0; `node`: fetch them from their holders "
                           "every R steps, default 100]"),
+        click.option("--refresh-codec", "train__refresh_codec", type=click.Choice(["fp32", "fp16", "bf16", "int8"]),
+                     help="How a swarm node refreshes the earlier blocks it reads: fp32, verified snapshots; "
+                          "fp16, bf16 or int8, what changed since the copy it holds, in that codec (fewer bytes, "
+                          "a copy that is close, not exact; a verified snapshot again every 8 refreshes).  "
+                          "[default: fp32]"),
     ]
     for option in reversed(options):
         func = option(func)

@@ -120,6 +120,10 @@ class TrainConfig:
     # block and reloads the newest published snapshots of the earlier blocks it reads (before the
     # first, their genesis states); 0 = the earlier blocks are trained first and stay fixed
     refresh_every: int = 0
+    # how a swarm node refreshes its copies of the earlier blocks: "fp32", verified float32 snapshots;
+    # "int8", "fp16" or "bf16", the change since the copy it holds, in that codec (lz4 on top), with a
+    # verified snapshot again after MAX_DELTAS such changes (spheroid/node/worker.py)
+    refresh_codec: str = "fp32"
     # mixed chunk sizes: each batch trains under the chunk mask of a K drawn uniformly from these, so
     # one checkpoint serves ar (K = 1), sweeps and drafts; empty = always the model's chunk
     chunks: tuple[int, ...] = ()
@@ -130,6 +134,8 @@ class TrainConfig:
             raise ValueError(f"chunks must be sizes of at least 1, got {list(self.chunks)}")
         if self.refresh_every < 0:
             raise ValueError(f"refresh_every must be >= 0, got {self.refresh_every}")
+        if self.refresh_codec not in ("fp32", "fp16", "bf16", "int8"):
+            raise ValueError(f"refresh_codec must be fp32, fp16, bf16 or int8, got {self.refresh_codec!r}")
         if self.block_input not in ("noised", "chain"):
             raise ValueError(f"block_input must be 'noised' or 'chain', got {self.block_input!r}")
         if self.steps < 0 or self.batch < 1 or self.lr <= 0:  # 0 steps: a swarm node that only holds its block

@@ -11,8 +11,10 @@ import os
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch.nn.utils import vector_to_parameters
 
 from .. import checkpoint
@@ -157,17 +159,40 @@ async def fetch_state(addr: str, block: int, cfg: NodeConfig, secret: bytes | No
         await conn.close()
 
 
-async def request_state(conn: Connection, block: int, n_params: int | None = None) -> tuple[RunConfig, SharedState]:
-    """Ask a peer for its state of `block`: its run configuration and the state, size and hash verified.
+@dataclass(frozen=True)
+class StateDelta:
+    """What a holder may send instead of its state: how its parameters changed since a state the
+    requester holds, through a lossy codec. Applied to that state it gives a close copy of `version`,
+    not an exact one (its hash cannot be verified): good enough for a frozen copy a later block reads."""
+
+    version: Version  # the holder's state it leads to
+    since: str  # hash of the state it starts from
+    delta: torch.Tensor  # (P,) float32: the parameters' change (no outer momentum)
+
+
+async def request_state(conn: Connection, block: int, n_params: int | None = None, since: str | None = None,
+                        codec: str | None = None) -> tuple[RunConfig, SharedState | StateDelta]:
+    """Ask a peer for its state of `block`: its run configuration and the state, size and hash verified;
+    or, asked `since` a state this node holds and in `codec`, maybe the change since, size checked.
 
     ValueError if the reply does not add up; PeerGone if the peer cannot or will not send it.
     """
-    reply = await conn.request(StateGet(block=block))
+    reply = await conn.request(StateGet(block=block, since=since, codec=codec))
     run_cfg = RunConfig.from_dict(reply.config)
     if n_params is None:
         n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data, block).parameters())
     version = Version(reply.round, reply.samples, reply.hash)
-    return run_cfg, SharedState.unpack(version, reply.tensor, n_params)
+    if reply.since is None:
+        return run_cfg, SharedState.unpack(version, reply.tensor, n_params)
+    delta = reply.tensor
+    if reply.since != since:
+        raise ValueError(f"a change since state {reply.since[:12]}, which this node did not ask for")
+    if delta.dtype != torch.float32 or delta.dim() != 1 or delta.numel() != n_params:
+        raise ValueError(f"a change of block {block} is {n_params} float32 values, got {tuple(delta.shape)} "
+                         f"{delta.dtype}")
+    if not torch.isfinite(delta).all():
+        raise ValueError("NaN or Inf in the change")
+    return run_cfg, StateDelta(version, since, delta)
 
 
 async def crawl(addr: str, cfg: NodeConfig, secret: bytes | None = None, limit: int = 256) -> dict[str, dict]:

@@ -12,6 +12,9 @@ them. Their holders announce their versions to it too; it fetches the preferred 
 (hash verified, from a holder chosen by rendezvous hashing) when it starts and then at most every
 `refresh_every` steps, between training chunks. Nobody waits for anybody: until a block's first
 fetch its copy is the genesis state. The versions read go into the checkpoint and the status.
+With `refresh_codec` other than fp32 a refresh asks for the change since the copy it holds, in
+that codec: a holder keeps its last RECENT states to answer that, and the copy becomes close to
+the version, not exact, until a verified snapshot every MAX_DELTAS refreshes resets it.
 """
 
 from __future__ import annotations
@@ -46,13 +49,16 @@ from ..train import (
 )
 from ..wire import ProtocolError, messages, through_codec
 from .averager import Averager
-from .client import request_state
+from .client import StateDelta, request_state
 from .connection import Connection, PeerGone
 from .node import Node
 
 log = logging.getLogger(__name__)
 
 MAX_SERVING = 2  # state transfers a donor runs at once; more requesters are told to try another holder
+DELTA_CODECS = ("fp16", "bf16", "int8")  # codecs a holder sends a change since a state in
+RECENT = 4  # states a holder keeps, to send a reader the change since the one it holds
+MAX_DELTAS = 8  # refreshes by change in a row before a reader fetches a verified snapshot again
 HISTORY = 50  # rounds kept in the status
 JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer,
 JOIN_SETTLE_S = 0.5  # then listens this long for versions before it picks a donor
@@ -68,9 +74,11 @@ def same_run(a: RunConfig, b: RunConfig) -> bool:
     return a.model == b.model and a.noise == b.noise
 
 
-async def fetch_from(node: Node, holders: list[str], block: int, n_params: int, cfg: RunConfig) -> SharedState | None:
+async def fetch_from(node: Node, holders: list[str], block: int, n_params: int, cfg: RunConfig,
+                     since: str | None = None, codec: str | None = None) -> SharedState | StateDelta | None:
     """Block `block`'s state from the first of `holders` (in this node's rendezvous order) that sends a
-    verified one of the same model and noise schedule; None if none does."""
+    verified one of the same model and noise schedule (or, asked `since` a state in `codec`, maybe
+    the change since); None if none does."""
     holders = list(holders)
     while holders:
         donor = pick_donor(node.id, holders)
@@ -79,7 +87,7 @@ async def fetch_from(node: Node, holders: list[str], block: int, n_params: int, 
         if conn is None:
             continue
         try:
-            run_cfg, state = await request_state(conn, block, n_params)
+            run_cfg, state = await request_state(conn, block, n_params, since, codec)
             if not same_run(run_cfg, cfg):
                 raise ValueError("its model or noise schedule differs from this node's")
         except (PeerGone, ProtocolError, ValueError, TypeError) as exc:
@@ -97,14 +105,17 @@ class Upstream:
     Holders of blocks 0..b-1 announce their versions to block b's nodes as to their own replicas.
     `refresh` fetches, in the background, each earlier block whose preferred announced version is not
     the one held, at most every `every` steps; `apply` swaps the fetched ones in between training
-    chunks (the training thread reads the copies).
+    chunks (the training thread reads the copies). With a `codec` other than fp32 it asks for the
+    change since the version it holds, and takes a verified snapshot after MAX_DELTAS changes.
     """
 
-    def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int) -> None:
-        self.node, self.block, self.earlier, self.every = node, block, earlier, every
+    def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int, codec: str = "fp32"
+                 ) -> None:
+        self.node, self.block, self.earlier, self.every, self.codec = node, block, earlier, every, codec
         self.announced: dict[int, dict[str, Version]] = {b: {} for b in range(block)} if earlier else {}
         self.held: dict[int, Version] = {}
-        self.pending: dict[int, SharedState] = {}
+        self.deltas: dict[int, int] = {}  # changes applied since the last verified snapshot, per block
+        self.pending: dict[int, SharedState | StateDelta] = {}
         self.refreshed_at: int | None = None  # the step of the last refresh that fetched something
         self.fetching: asyncio.Task | None = None
         self.fetches, self.bytes = 0, 0
@@ -137,19 +148,34 @@ class Upstream:
     async def _fetch(self, wanted: dict[int, list[str]]) -> None:
         for b, holders in wanted.items():
             n_params = sum(p.numel() for p in self.earlier.blocks[b].parameters())
-            state = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg)
-            if state is not None:
-                self.pending[b] = state
+            held = self.held.get(b)
+            change = self.codec != "fp32" and held is not None and self.deltas.get(b, 0) < MAX_DELTAS
+            before = self._received(holders)
+            got = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg,
+                                   held.hash if change else None, self.codec if change else None)
+            self.bytes += self._received(holders) - before  # (the transfer, and any version notes meanwhile)
+            if got is not None:
+                self.pending[b] = got
                 self.fetches += 1
-                self.bytes += state.flat().numel() * 4
+
+    def _received(self, holders: list[str]) -> int:
+        return sum(self.node.traffic.totals(h)["received"]["wire_bytes"] for h in holders)
 
     def apply(self) -> None:
         """Swap the fetched earlier blocks in (only between training chunks)."""
-        for b, state in sorted(self.pending.items()):
-            self.earlier.replace(b, state.params, state.version.to_wire())
-            self.held[b] = state.version
-            log.info("block %d now reads block %d at round %d (state %s)", self.block, b, state.version.round,
-                     state.version.hash[:12])
+        for b, got in sorted(self.pending.items()):
+            if isinstance(got, StateDelta):
+                if self.held.get(b) is None or got.since != self.held[b].hash:
+                    continue  # (a change since a copy replaced meanwhile)
+                params = parameters_to_vector(self.earlier.blocks[b].parameters()) + got.delta
+                self.deltas[b] = self.deltas.get(b, 0) + 1
+            else:
+                params = got.params
+                self.deltas[b] = 0
+            self.earlier.replace(b, params, {**got.version.to_wire(), "exact": not self.deltas[b]})
+            self.held[b] = got.version
+            log.info("block %d now reads block %d at round %d (state %s%s)", self.block, b, got.version.round,
+                     got.version.hash[:12], f", {self.deltas[b]} change(s) on a snapshot" if self.deltas[b] else "")
         self.pending.clear()
 
     def status(self) -> dict:
@@ -165,7 +191,8 @@ class BlockWorker:
         # every replica starts from the same genesis state; the earlier blocks it reads, from theirs
         self.module, self.loss_fn, self.earlier = block_trainer(cfg, block, None, torch.device("cpu"))
         self.opt = make_optimizer(self.module, cfg)
-        self.upstream = Upstream(node, block, self.earlier, cfg.train.refresh_every or averaging.every)
+        self.upstream = Upstream(node, block, self.earlier, cfg.train.refresh_every or averaging.every,
+                                 cfg.train.refresh_codec)
         # each replica draws its own batches and noise
         node_seed = int(node.id[:8], 16)
         self.gen = torch.Generator().manual_seed(cfg.train.seed ^ node_seed)
@@ -178,6 +205,8 @@ class BlockWorker:
         # restart, or done; what it keeps of its own tensors went through the wire codec, as peers see them
         self.replica = Replica(node.id, state, averaging, synced=self.fresh,
                                wire=lambda t: through_codec(t, CODECS[averaging.codec], self.compression))
+        self.recent: dict[str, torch.Tensor] = {}  # this node's last RECENT states' parameters, by hash
+        self._keep(state)
         self.pending: SharedState | None = None  # a fetched state to adopt between training chunks
         self.fetching = False
         self.serving = 0
@@ -203,6 +232,12 @@ class BlockWorker:
     def _genesis(self) -> SharedState:
         momentum = torch.zeros(self.n_params) if self.avg.outer == "nesterov" else None
         return SharedState.create(0, 0, self.params(), momentum)
+
+    def _keep(self, state: SharedState) -> None:
+        """Remember a state this node held (rounds replace the state's tensors, never change them)."""
+        self.recent[state.version.hash] = state.params
+        while len(self.recent) > RECENT:
+            del self.recent[next(iter(self.recent))]
 
     def save(self) -> None:
         """Checkpoint the shared state, the AdamW state and the step, atomically, in one file."""
@@ -309,6 +344,7 @@ class BlockWorker:
         del self.history[:-HISTORY]
         local = closed.state.params if closed.carry is None else closed.state.params + closed.carry
         self.set_params(local)  # (carry: this node's progress that was not averaged)
+        self._keep(closed.state)
         self.save()
         with self.path.with_suffix(".history.jsonl").open("a") as f:  # the loss history, kept whole
             f.write(json.dumps({**self.history[-1], "step": self.step, "loss": self.loss, "ce": self.ce,
@@ -325,6 +361,7 @@ class BlockWorker:
         if state is None or not self.replica.wants(state.version):
             return
         self.set_params(self.replica.adopt(state, self.params()))
+        self._keep(state)
         self.save()
         log.info("block %d adopted state %s of round %d (%d samples)", self.block, state.version.hash[:12],
                  state.version.round, state.version.samples)
@@ -387,12 +424,18 @@ class BlockWorker:
             self.node.spawn(self._serve_state(conn, msg))
 
     async def _serve_state(self, conn: Connection, msg: messages.Message) -> None:
+        """Stream this node's state; or, asked for the change since a state it still has in a lossy
+        codec, that change (parameters only: a reader has no use for the outer momentum)."""
         state = self.replica.state  # a snapshot: rounds replace the state object, never mutate it
+        base = self.recent.get(msg.since) if msg.codec in DELTA_CODECS else None
         self.serving += 1
         try:
-            stream = await conn.send_tensor(state.flat(), "raw")
+            if base is None:
+                stream = await conn.send_tensor(state.flat(), "raw")
+            else:
+                stream = await conn.send_tensor(state.params - base, CODECS[msg.codec], "lz4")
             await conn.send(messages.StateReply(re=msg.id, block=self.block, **state.version.to_wire(), stream=stream,
-                                                config=self.cfg.to_dict()))
+                                                config=self.cfg.to_dict(), since=None if base is None else msg.since))
             self.served += 1
         except PeerGone as exc:
             log.info("state transfer to %s stopped: %s", conn.label[:8], exc)

@@ -53,9 +53,12 @@ SCHEMAS: dict[str, dict[str, str]] = {
                "stream": "uint"},
     "reduced": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
                 "contributors": "list", "stream": "uint"},
-    "state_get": {"block": "uint"},
+    # a state transfer; with "since" (the hash of a state the requester holds) and "codec", the
+    # responder may send the parameters' change since that state instead, in that codec, and says so
+    # with "since" in its reply
+    "state_get": {"block": "uint", "since": "str?", "codec": "str?"},
     "state_reply": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "stream": "uint",
-                    "config": "map"},
+                    "config": "map", "since": "str?"},
     # serving (spheroid/node/serving.py): a client asks any node, which coordinates; activations go
     # hop to hop along the route, never through the client
     "generate": {"prompt": "bin", "n_bytes": "uint", "mode": "str", "k": "uint", "temperature": "float",
