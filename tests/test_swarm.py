@@ -177,8 +177,8 @@ def test_bad_updates_from_the_wire_are_rejected_and_the_node_keeps_training(swar
 
 
 def test_int8_refreshes_send_the_change_since_the_copy_held(swarm):
-    """A reader of block 0 with --refresh-codec int8: its first fetch is a verified float32 snapshot,
-    later ones the change since the version it holds, in int8, at about a quarter of the bytes."""
+    """A reader of block 0 with --refresh-codec int8 fetches the change since the version it holds
+    (at first block 0's genesis, which the holder keeps), in int8: about a quarter of a snapshot."""
     flags = ["--steps", "60", "--every", "10", "--wait", "5", "--refresh-every", "10"]
     holder = swarm("holder", 0, *flags)
     reader = swarm("reader", 1, *flags, "--refresh-codec", "int8", seed=holder)
@@ -188,5 +188,4 @@ def test_int8_refreshes_send_the_change_since_the_copy_held(swarm):
     n_params = training(holder)["params"]
     assert earlier["fetches"] >= 3 and read["round"] >= 3
     assert read["exact"] is False  # a copy brought up to date by changes, not a snapshot
-    snapshot = 4 * n_params
-    assert snapshot < earlier["bytes"] < snapshot + (earlier["fetches"] - 1) * 0.35 * snapshot
+    assert 0 < earlier["bytes"] < earlier["fetches"] * 0.35 * 4 * n_params  # (a float32 snapshot: 4 bytes each)

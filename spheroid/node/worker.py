@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_safetensors
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from ..averaging import CODECS, AveragingConfig, Closed, Replica, SharedState, Version
+from ..averaging import CODECS, AveragingConfig, Closed, Replica, SharedState, Version, state_hash
 from ..checkpoint import CheckpointError, atomic_write
 from ..config import RunConfig
 from ..data import random_windows
@@ -113,7 +113,12 @@ class Upstream:
                  ) -> None:
         self.node, self.block, self.earlier, self.every, self.codec = node, block, earlier, every, codec
         self.announced: dict[int, dict[str, Version]] = {b: {} for b in range(block)} if earlier else {}
+        # the version of each copy: at first its genesis parameters (hashed alone), which holders
+        # keep, so that a first refresh by change needs no snapshot either
         self.held: dict[int, Version] = {}
+        if earlier is not None and codec != "fp32":
+            for b, copy in enumerate(earlier.blocks):
+                self.held[b] = Version(0, 0, state_hash(parameters_to_vector(copy.parameters()).detach()))
         self.deltas: dict[int, int] = {}  # changes applied since the last verified snapshot, per block
         self.pending: dict[int, SharedState | StateDelta] = {}
         self.refreshed_at: int | None = None  # the step of the last refresh that fetched something
@@ -199,13 +204,16 @@ class BlockWorker:
         torch.manual_seed(cfg.train.seed * 7919 + node_seed)
         self.step, self.loss, self.ce = 0, float("nan"), float("nan")
         self.n_params = sum(p.numel() for p in self.module.parameters())
+        genesis = self.params()  # (readers of this block start from it too: changes since it are sent)
         state = self._resume() if self.path.exists() else self._genesis()
         self.fresh = state.version.round == 0 and self.step == 0
         # synced: reached its state by a round (or genesis) and still training, not by a fetch, a
         # restart, or done; what it keeps of its own tensors went through the wire codec, as peers see them
         self.replica = Replica(node.id, state, averaging, synced=self.fresh,
                                wire=lambda t: through_codec(t, CODECS[averaging.codec], self.compression))
-        self.recent: dict[str, torch.Tensor] = {}  # this node's last RECENT states' parameters, by hash
+        # this node's last RECENT states' parameters by hash, and its genesis parameters by theirs
+        self.genesis = (state_hash(genesis), genesis)
+        self.recent: dict[str, torch.Tensor] = {}
         self._keep(state)
         self.pending: SharedState | None = None  # a fetched state to adopt between training chunks
         self.fetching = False
@@ -427,7 +435,8 @@ class BlockWorker:
         """Stream this node's state; or, asked for the change since a state it still has in a lossy
         codec, that change (parameters only: a reader has no use for the outer momentum)."""
         state = self.replica.state  # a snapshot: rounds replace the state object, never mutate it
-        base = self.recent.get(msg.since) if msg.codec in DELTA_CODECS else None
+        known = {**self.recent, self.genesis[0]: self.genesis[1]}
+        base = known.get(msg.since) if msg.codec in DELTA_CODECS else None
         self.serving += 1
         try:
             if base is None:
