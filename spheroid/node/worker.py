@@ -180,7 +180,8 @@ class Upstream:
             self.earlier.replace(b, params, {**got.version.to_wire(), "exact": not self.deltas[b]})
             self.held[b] = got.version
             log.info("block %d now reads block %d at round %d (state %s%s)", self.block, b, got.version.round,
-                     got.version.hash[:12], f", {self.deltas[b]} change(s) on a snapshot" if self.deltas[b] else "")
+                     got.version.hash[:12], f", {self.deltas[b]} change(s) in {self.codec} since a snapshot or genesis"
+                     if self.deltas[b] else "")
         self.pending.clear()
 
     def status(self) -> dict:
