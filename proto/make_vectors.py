@@ -96,6 +96,10 @@ VALID = {
         [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.6, -127.0], [8], codec="int8", rounded=True)},
     "int8_zero_block": {"t": "stream_chunk", "id": 34, "stream": 3, "seq": 2, "data": tensor_json(
         [0.0, 0.0, 0.0], [3], codec="int8", rounded=True)},
+    # int4: scale = 7 / 7 = 1, ties to even, two values a byte (low nibble first), an odd count's
+    # last high nibble 0
+    "int4_rounding": {"t": "stream_chunk", "id": 37, "stream": 3, "seq": 3, "data": tensor_json(
+        [7.0, 0.5, 1.5, 2.5, -0.5, -1.5, 6.6, -7.0, 3.5], [9], codec="int4", rounded=True)},
     "bf16_rounding": {"t": "stream_chunk", "id": 35, "stream": 2, "seq": 1, "data": tensor_json(
         [1.00390625, 1.01171875, 1.0039072036743164, -1.00390625], [4], codec="bf16", rounded=True)},
     "fp16_rounding": {"t": "stream_chunk", "id": 36, "stream": 2, "seq": 2, "data": tensor_json(

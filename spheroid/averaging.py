@@ -24,8 +24,11 @@ passed through the wire codec before anyone, its owner too, used it.
 A range that did not arrive by the deadline (its owner died or straggled) is not averaged this
 round: the shared state keeps that range as it was, and each replica carries its own part of it
 over as local progress (`Closed.carry`), as it does for a range whose owner left its part out (it
-came late, or was refused). No local work is lost; it goes into the next round's update. A round
-with a missing range counts no samples (`Version.samples` adds the least any range averaged), so
+came late, or was refused). No local work is lost; it goes into the next round's update. With `feedback`
+(error feedback, for the lossy codecs) a replica also carries what the codec lost of its parts
+(its update minus what their owners decoded), and an owner adds what the codec lost of its last
+average of a range to its next average of that range: rounding errors are sent later, not dropped.
+A round with a missing range counts no samples (`Version.samples` adds the least any range averaged), so
 the version rule below makes such replicas adopt a complete state when one exists.
 
 Who is waited for: the group is the replica and the peers in step with it (they contributed to
@@ -56,7 +59,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CODECS = {"fp32": "raw", "fp16": "fp16", "bf16": "bf16", "int8": "int8"}  # config name -> wire codec
+CODECS = {"fp32": "raw", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "int4": "int4"}  # config name -> wire codec
 OUTER_STEPS = ("average", "nesterov")
 
 
@@ -65,13 +68,20 @@ class AveragingConfig:
     """How same-block replicas average. Every benchmark states these."""
 
     every: int = 20  # H: local steps per round
-    codec: str = "fp32"  # how updates travel: fp32, fp16, bf16 or int8 (per-chunk scales)
+    codec: str = "fp32"  # how updates travel: fp32, fp16, bf16, int8 or int4 (per-chunk scales)
     lz4: bool = False  # lz4 on top of the codec, kept per chunk only where it shrinks the data
     wait: float = 5.0  # seconds a replica waits for its peers' updates once its own is ready
     outer: str = "average"  # "average": plain averaging (the paper); "nesterov": DiLoCo's outer step
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     max_norm_ratio: float = 10.0  # an update whose norm is this far from its peers' is rejected
+    # error feedback (lossy codecs): what the codec lost of this replica's parts, and of the ranges
+    # it averaged, is added to what it sends next round, so no progress is lost to rounding
+    feedback: bool = False
+
+    @property
+    def lossy(self) -> bool:
+        return self.codec != "fp32"
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -185,7 +195,8 @@ class Closed:
     state: SharedState
     contributors: list[str]  # senders whose parts were averaged in every range
     rejected: dict[str, str]  # sender -> reason, for parts refused at reducing time
-    carry: torch.Tensor | None  # (P,) this replica's own update where it was not averaged (None: nowhere)
+    carry: torch.Tensor | None  # (P,) this replica's own update where it was not averaged, and with
+    #                              error feedback what the codec lost of it where it was (None: nothing)
     missing: int  # ranges that did not arrive by the deadline
     ready_at: float  # when this replica's own update was in
 
@@ -225,6 +236,7 @@ class Replica:
 
     def __post_init__(self) -> None:
         self.announced: dict[str, tuple[Version, bool]] = {}  # peer -> (its version, reached by a round?)
+        self.owed: torch.Tensor | None = None  # (P,) error feedback: what the codec lost of ranges averaged here
         self._start_round()
 
     def _start_round(self) -> None:
@@ -356,8 +368,19 @@ class Replica:
         for s in used[1:]:
             average.add_(self.parts[s].delta, alpha=self.parts[s].samples / total)
         mine = Reduced(self.me, self.round, self.state.version.hash, lo, hi, used, total, average)
-        self.reduced[self.me] = Reduced(**{**mine.__dict__, "delta": self.wire(average)})
+        decoded = self._with_feedback(average, lo, hi) if self.cfg.feedback and self.cfg.lossy else self.wire(average)
+        self.reduced[self.me] = Reduced(**{**mine.__dict__, "delta": decoded})
         return mine
+
+    def _with_feedback(self, average: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Error feedback on the range averaged here: add what the codec lost of it last time, keep
+        what it loses this time. Returns the decoded average (what everyone uses)."""
+        if self.owed is None:
+            self.owed = torch.zeros_like(self.state.params)
+        average.add_(self.owed[lo:hi])  # (`average` is the Reduced sent: the owed error travels in it)
+        decoded = self.wire(average)
+        torch.sub(average, decoded, out=self.owed[lo:hi])
+        return decoded
 
     def targets(self) -> list[str]:
         """Who gets this replica's reduced range: the group, every contributor, and the peers that
@@ -397,6 +420,10 @@ class Replica:
             if got is None or self.me not in got.contributors:  # not averaged: stays this replica's progress
                 carry = torch.zeros_like(average) if carry is None else carry
                 carry[lo:hi] = self.own[lo:hi]
+            elif self.cfg.feedback and self.cfg.lossy:  # averaged as its owner decoded it: carry the rest
+                carry = torch.zeros_like(average) if carry is None else carry
+                own = self.own[lo:hi]
+                carry[lo:hi] = own - (self.parts[owner].delta if owner == self.me else self.wire(own.contiguous()))
         missing = set(self.ranges) - set(self.reduced)  # their owners are not in step with this replica
         self.counters.missing += len(missing)
         used = sorted((contributors or set()) - missing)
@@ -477,6 +504,7 @@ class Replica:
         rebased = state.params + progress
         self.state = state
         self.counters.adopted += 1
+        self.owed = None  # (errors of ranges averaged on the old state)
         self.synced = False
         self.expected = self._in_step() - {self.me}
         self.held = {k: m for k, m in self.held.items() if m.round >= self.round}

@@ -25,7 +25,7 @@ from . import checkpoint
 from .averaging import CODECS, OUTER_STEPS, AveragingConfig
 from .chain import DEFAULT_DRAFT
 from .chain import generate as run_chain
-from .config import ModelConfig, NodeConfig, NoiseConfig, RunConfig, TrainConfig, override
+from .config import REFRESH_CODECS, ModelConfig, NodeConfig, NoiseConfig, RunConfig, TrainConfig, override
 from .data import DataError, fixed_windows, load_bytes
 from .launch import LocalSwarm
 from .node.client import assemble_swarm, fetch_status, remote_generate, remote_score
@@ -331,9 +331,9 @@ def run_config_options(func):
                           "newest snapshots every R steps (their genesis states until they appear); 0 = the "
                           "earlier blocks are trained first.  [default: 0; `node`: fetch them from their holders "
                           "every R steps, default 100]"),
-        click.option("--refresh-codec", "train__refresh_codec", type=click.Choice(["fp32", "fp16", "bf16", "int8"]),
+        click.option("--refresh-codec", "train__refresh_codec", type=click.Choice(REFRESH_CODECS),
                      help="How a swarm node refreshes the earlier blocks it reads: fp32, verified snapshots; "
-                          "fp16, bf16 or int8, what changed since the copy it holds, in that codec (fewer bytes, "
+                          "fp16, bf16, int8 or int4, what changed since the copy it holds, in that codec (fewer bytes, "
                           "a copy that is close, not exact; a verified snapshot again every 8 refreshes).  "
                           "[default: fp32]"),
     ]
@@ -702,6 +702,8 @@ def read_secret(path: str | None) -> bytes | None:
 @click.option("--codec", type=click.Choice(sorted(CODECS)), default=AveragingConfig.codec, show_default=True,
               help="How updates travel.")
 @click.option("--lz4/--no-lz4", default=AveragingConfig.lz4, show_default=True, help="lz4 on top of the codec.")
+@click.option("--error-feedback/--no-error-feedback", "feedback", default=AveragingConfig.feedback, show_default=True,
+              help="With a lossy codec, send what rounding lost of this node's updates and averages in later rounds.")
 @click.option("--wait", type=click.FloatRange(min=0), default=AveragingConfig.wait, show_default=True,
               help="Round deadline: seconds to wait for peers' updates once this node's own is ready.")
 @click.option("--outer", type=click.Choice(OUTER_STEPS), default=AveragingConfig.outer, show_default=True,
@@ -729,8 +731,8 @@ def read_secret(path: str | None) -> bytes | None:
 @tls_options
 @command
 def node(listen, peers, announce, swarm, secret_file, identity, role, block, out, config_file, every, codec, lz4,
-         wait, outer, outer_lr, outer_momentum, serve, serve_from, serve_reference, hop_timeout, cache_mb, session_ttl,
-         threads, status_interval, data_dir, tls_cert, tls_key, tls_ca, **overrides) -> None:
+         feedback, wait, outer, outer_lr, outer_momentum, serve, serve_from, serve_reference, hop_timeout, cache_mb,
+         session_ttl, threads, status_interval, data_dir, tls_cert, tls_key, tls_ca, **overrides) -> None:
     """Run a node: serve the protocol, join the swarm through --peer, train --block B and serve --serve
     blocks if given, until Ctrl-C."""
     try:
@@ -758,8 +760,8 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
         work = None
         if block is not None:
             run = node_run_config(config_file, overrides)
-            averaging = AveragingConfig(every=every, codec=codec, lz4=lz4, wait=wait, outer=outer, outer_lr=outer_lr,
-                                        outer_momentum=outer_momentum)
+            averaging = AveragingConfig(every=every, codec=codec, lz4=lz4, feedback=feedback, wait=wait, outer=outer,
+                                        outer_lr=outer_lr, outer_momentum=outer_momentum)
             worker = BlockWorker(member, run, averaging, block, load_bytes(data_dir, "train"),
                                  Path(out or f"node-block-{block}"))
             work = worker.run

@@ -11,6 +11,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+# how a swarm node may refresh its copies of earlier blocks: fp32 snapshots, or changes in a codec
+REFRESH_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -121,7 +124,7 @@ class TrainConfig:
     # first, their genesis states); 0 = the earlier blocks are trained first and stay fixed
     refresh_every: int = 0
     # how a swarm node refreshes its copies of the earlier blocks: "fp32", verified float32 snapshots;
-    # "int8", "fp16" or "bf16", the change since the copy it holds, in that codec (lz4 on top), with a
+    # "int8", "int4", "fp16" or "bf16", the change since the copy it holds, in that codec (lz4 on top), with a
     # verified snapshot again after MAX_DELTAS such changes (spheroid/node/worker.py)
     refresh_codec: str = "fp32"
     # mixed chunk sizes: each batch trains under the chunk mask of a K drawn uniformly from these, so
@@ -134,8 +137,8 @@ class TrainConfig:
             raise ValueError(f"chunks must be sizes of at least 1, got {list(self.chunks)}")
         if self.refresh_every < 0:
             raise ValueError(f"refresh_every must be >= 0, got {self.refresh_every}")
-        if self.refresh_codec not in ("fp32", "fp16", "bf16", "int8"):
-            raise ValueError(f"refresh_codec must be fp32, fp16, bf16 or int8, got {self.refresh_codec!r}")
+        if self.refresh_codec not in REFRESH_CODECS:
+            raise ValueError(f"refresh_codec must be one of {', '.join(REFRESH_CODECS)}, got {self.refresh_codec!r}")
         if self.block_input not in ("noised", "chain"):
             raise ValueError(f"block_input must be 'noised' or 'chain', got {self.block_input!r}")
         if self.steps < 0 or self.batch < 1 or self.lr <= 0:  # 0 steps: a swarm node that only holds its block

@@ -19,6 +19,7 @@ from spheroid.averaging import (
     partition,
     state_hash,
 )
+from spheroid.wire import through_codec
 
 P = 64
 
@@ -88,6 +89,31 @@ def test_replicas_hold_what_their_peers_decode_through_a_lossy_codec():
     group = replicas(4, wire=wire)
     exchange(group, [torch.randn(P) * 0.01 for _ in group], [8, 8, 8, 8], wire=wire)
     assert len({r.close().state.version.hash for r in group}) == 1
+
+
+@pytest.mark.parametrize("feedback", [False, True])
+def test_error_feedback_sends_what_rounding_lost_in_later_rounds(feedback):
+    """int4 zeroes every value under 1/14 of its block's largest: without error feedback such small
+    steady progress never reaches the shared state; with it, the rounding error stays within one
+    round's while replicas still agree bit for bit."""
+    wire = lambda t: through_codec(t, "int4")  # noqa: E731
+    group = replicas(3, AveragingConfig(wait=1.0, codec="int4", feedback=feedback), wire=wire)
+    base = group[0].state.params.clone()
+    steps = [torch.full((P,), 0.001 * (i + 1)) for i in range(3)]
+    for step in steps:
+        step[::16] = 0.1  # one large value per 16: the block's scale
+    carries = [torch.zeros(P) for _ in group]
+    rounds = 20
+    for _ in range(rounds):
+        exchange(group, [s + c for s, c in zip(steps, carries, strict=True)], [8, 8, 8], wire=wire)
+        closed = [r.close() for r in group]
+        assert len({c.state.version.hash for c in closed}) == 1
+        carries = [c.carry if c.carry is not None else torch.zeros(P) for c in closed]
+    drift = (group[0].state.params - (base + rounds * sum(steps) / 3)).abs().max()
+    if feedback:
+        assert drift < 0.1 / 7  # (at most about one round's rounding)
+    else:
+        assert drift > 0.9 * 0.002 * rounds  # the values averaging 0.002 a round never moved
 
 
 def test_a_node_sends_two_vectors_per_round_whatever_the_number_of_replicas():

@@ -88,14 +88,16 @@ def test_replicas_average_in_step_and_the_swarm_assembles(swarm, tmp_path, data_
     assert 0 < json.loads(ev.stdout)["chain_ce_m1"] < 6
 
 
-def test_int8_updates_still_give_replicas_one_state(swarm):
-    flags = ["--steps", "30", "--every", "10", "--wait", "5", "--codec", "int8", "--lz4"]
+@pytest.mark.parametrize("codec, extra, size", [("int8", [], 0.3), ("int4", ["--error-feedback"], 0.17)])
+def test_quantized_updates_still_give_replicas_one_state(swarm, codec, extra, size):
+    flags = ["--steps", "30", "--every", "10", "--wait", "5", "--codec", codec, "--lz4", *extra]
     a = swarm("a", 0, *flags)
     b = swarm("b", 0, *flags, seed=a)
     states = wait_until(lambda: all_done_and_equal([a, b]), 120, "the replicas to finish in agreement")
     assert sum(h["updates"] == 2 for h in states[0]["history"]) >= 2  # averaged together, bit-identically
+    assert states[0]["averaging"]["feedback"] == bool(extra)
     chunks = a.status()["traffic_by_type"]["sent"]["stream_chunk"]
-    assert chunks["wire_bytes"] < 0.3 * chunks["raw_bytes"]  # a quarter of fp32, plus scales and framing
+    assert chunks["wire_bytes"] < size * chunks["raw_bytes"]  # 1/4 or 1/8 of fp32, plus scales and framing
 
 
 def test_slow_peer_misses_the_deadline_and_the_others_keep_time(swarm):

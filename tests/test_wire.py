@@ -21,7 +21,7 @@ from spheroid.wire import (
     encode_tensor,
     stream_frames,
 )
-from spheroid.wire.tensors import INT8_ERROR
+from spheroid.wire.tensors import INT4_ERROR, INT8_ERROR
 
 VECTORS = Path(__file__).resolve().parents[1] / "proto" / "vectors"
 
@@ -78,7 +78,7 @@ def test_decoder_takes_any_split_of_the_byte_stream():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("codec", ["raw", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("codec", ["raw", "fp16", "bf16", "int8", "int4"])
 @pytest.mark.parametrize("compression", ["none", "lz4"])
 def test_tensor_round_trip_within_the_codecs_bound(dtype, codec, compression):
     t = (torch.randn(37, 129, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
@@ -87,9 +87,10 @@ def test_tensor_round_trip_within_the_codecs_bound(dtype, codec, compression):
     err = (back.float() - t.float()).abs()
     if codec == "raw":
         assert torch.equal(back, t)  # lossless
-    elif codec == "int8":  # plus the rounding back to a 16-bit dtype, if that is what it was
+    elif codec in ("int8", "int4"):  # plus the rounding back to a 16-bit dtype, if that is what it was
         cast = {torch.float32: 0.0, torch.float16: 2**-11, torch.bfloat16: 2**-8}[dtype]
-        assert (err <= INT8_ERROR * t.float().abs().max() * 1.001 + t.float().abs() * 2 * cast + 1e-6).all()
+        bound = INT8_ERROR if codec == "int8" else INT4_ERROR
+        assert (err <= bound * t.float().abs().max() * 1.001 + t.float().abs() * 2 * cast + 1e-6).all()
     else:  # a cast: half an ulp of the narrower type
         eps = {"fp16": 2**-11, "bf16": 2**-8}[codec]
         assert (err <= t.float().abs() * eps * 1.001 + 1e-6).all()

@@ -35,7 +35,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from ..averaging import CODECS, AveragingConfig, Closed, Replica, SharedState, Version, state_hash
 from ..checkpoint import CheckpointError, atomic_write
-from ..config import RunConfig
+from ..config import REFRESH_CODECS, RunConfig
 from ..data import random_windows
 from ..train import (
     EarlierBlocks,
@@ -56,7 +56,7 @@ from .node import Node
 log = logging.getLogger(__name__)
 
 MAX_SERVING = 2  # state transfers a donor runs at once; more requesters are told to try another holder
-DELTA_CODECS = ("fp16", "bf16", "int8")  # codecs a holder sends a change since a state in
+DELTA_CODECS = REFRESH_CODECS[1:]  # codecs a holder sends a change since a state in (all but fp32)
 RECENT = 4  # states a holder keeps, to send a reader the change since the one it holds
 MAX_DELTAS = 8  # refreshes by change in a row before a reader fetches a verified snapshot again
 HISTORY = 50  # rounds kept in the status

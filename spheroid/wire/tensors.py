@@ -1,14 +1,15 @@
-"""Tensors on the wire: the msgpack extension type and its codecs (raw, fp16, bf16, int8; lz4 on top).
+"""Tensors on the wire: the msgpack extension type and its codecs (raw, fp16, bf16, int8, int4; lz4 on top).
 
 Extension type 1 carries one tensor. Its payload is itself a msgpack array:
 
     [dtype, shape, codec, compression, data, scales, block]
 
 `dtype` is the tensor's dtype after decoding; `codec` says how `data` holds the values ("raw": in
-dtype itself; "fp16"/"bf16": cast; "int8": symmetric int8 with one float32 scale per `block`
-elements, in `scales`); `compression` is "none" or "lz4" (block format, size not stored: the
-receiver knows it). All numbers are little-endian. Nothing here can execute code: a payload is
-checked against its header (sizes, dtype, codec) before any buffer is allocated from it.
+dtype itself; "fp16"/"bf16": cast; "int8"/"int4": symmetric integers with one float32 scale per
+`block` elements, in `scales`, int4 packed two to a byte); `compression` is "none" or "lz4"
+(block format, size not stored: the receiver knows it). All numbers are little-endian. Nothing here
+can execute code: a payload is checked against its header (sizes, dtype, codec) before any buffer
+is allocated from it.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = {"float32", "float16", "bfloat16"}
-CODECS = ("raw", "fp16", "bf16", "int8")
+CODECS = ("raw", "fp16", "bf16", "int8", "int4")
 COMPRESSIONS = ("none", "lz4")
-INT8_BLOCK = 4096  # elements per int8 scale
+QUANTIZED = {"int8": 127, "int4": 7}  # codec -> the largest integer it writes (symmetric)
+INT8_BLOCK = 4096  # elements per scale of a quantized codec (int8 and int4)
 INT8_ERROR = 0.5 / 127  # int8's worst-case error, relative to the largest magnitude of a block
+INT4_ERROR = 0.5 / 7
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,13 @@ class Limits:
 
 DEFAULT_LIMITS = Limits()
 
-def codec_itemsize(dtype: str, codec: str) -> int:
+def codec_nbytes(dtype: str, codec: str, n: int) -> int:
+    """Bytes of `data` (before compression) that hold n values of dtype in codec."""
     if codec == "raw":
-        return DTYPES[dtype].itemsize
-    return {"fp16": 2, "bf16": 2, "int8": 1}[codec]
+        return n * DTYPES[dtype].itemsize
+    if codec == "int4":
+        return (n + 1) // 2
+    return n * {"fp16": 2, "bf16": 2, "int8": 1}[codec]
 
 
 def encode_tensor(tensor: torch.Tensor, codec: str = "raw", compression: str = "none") -> bytes:
@@ -79,8 +85,8 @@ def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: 
     elif codec == "bf16":
         data = as_bytes(flat.to(torch.bfloat16))
     else:
-        q, s = quantize_int8(flat.float(), INT8_BLOCK)
-        data, scales, block = as_bytes(q), as_bytes(s), INT8_BLOCK
+        q, s = quantize(flat.float(), INT8_BLOCK, QUANTIZED[codec])
+        data, scales, block = as_bytes(q if codec == "int8" else pack_int4(q)), as_bytes(s), INT8_BLOCK
     if compression == "lz4":
         packed = lz4.block.compress(data, store_size=False)
         if len(packed) < len(data):
@@ -123,12 +129,12 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
         raise ProtocolError("bad_tensor", f"shape must be at most {limits.max_dims} non-negative integers")
     if not isinstance(data, bytes) or not isinstance(scales, bytes) or not isinstance(block, int):
         raise ProtocolError("bad_tensor", "data and scales must be bin, block an integer")
-    if codec != "int8" and (scales or block):
+    if codec not in QUANTIZED and (scales or block):
         raise ProtocolError("bad_tensor", f"codec {codec} carries no scales: scales must be empty and block 0")
     numel = math.prod(shape)
     if numel > limits.max_elements:
         raise ProtocolError("too_large", f"tensor of {numel} elements exceeds the limit of {limits.max_elements}")
-    expected = numel * codec_itemsize(dtype, codec)
+    expected = codec_nbytes(dtype, codec, numel)
     if compression == "lz4":
         try:
             data = lz4.block.decompress(data, uncompressed_size=expected)
@@ -143,23 +149,37 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
     else:
         n_scales = -(-numel // block) if block > 0 else -1
         if block <= 0 or len(scales) != 4 * n_scales:
-            raise ProtocolError("bad_tensor", f"int8 needs block > 0 and {max(n_scales, 0)} float32 scales")
-        flat = dequantize_int8(from_bytes(data, torch.int8), from_bytes(scales, torch.float32), block)
-        flat = flat.to(DTYPES[dtype])
+            raise ProtocolError("bad_tensor", f"{codec} needs block > 0 and {max(n_scales, 0)} float32 scales")
+        q = from_bytes(data, torch.int8) if codec == "int8" else unpack_int4(from_bytes(data, torch.uint8), numel)
+        flat = dequantize(q, from_bytes(scales, torch.float32), block).to(DTYPES[dtype])
     return flat.view(shape)
 
 
-def quantize_int8(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 with one scale per `block` elements: q = round(x / s), s = max|x| / 127."""
+def quantize(flat: torch.Tensor, block: int, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric integers with one scale per `block` elements: q = round(x / s) in [-top, top],
+    s = max|x| / top (top = 127 for int8, 7 for int4)."""
     n = flat.numel()
     padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
-    scales = padded.abs().amax(dim=1) / 127
+    scales = padded.abs().amax(dim=1) / top
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(padded / scales[:, None]).clamp(-127, 127).to(torch.int8).view(-1)[:n]
+    q = torch.round(padded / scales[:, None]).clamp(-top, top).to(torch.int8).view(-1)[:n]
     return q, scales.float()
 
 
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 values in [-8, 7], two to a byte as 4-bit two's complement: value 2i in the low nibble
+    of byte i, value 2i + 1 in its high nibble (0 when there is none)."""
+    nibbles = torch.nn.functional.pad(q, (0, q.numel() % 2)).view(-1, 2).to(torch.uint8) & 0x0F
+    return nibbles[:, 0] | (nibbles[:, 1] << 4)
+
+
+def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`pack_int4`'s inverse: the first n values, as int8."""
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[:n].to(torch.int8)
+    return (nibbles ^ 8) - 8  # sign-extend 4 bits
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     n = q.numel()
     padded = torch.nn.functional.pad(q.float(), (0, -n % block)).view(-1, block)
     return (padded * scales[:, None]).view(-1)[:n]
