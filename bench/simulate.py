@@ -211,8 +211,10 @@ class Swarm:
             return
         if r.can_reduce(self.now):
             mine = r.reduce()
+            who = mine.contributors  # (a bitmap over the group, and the ids of the others)
+            size = mine.delta.numel() * 4 + 80 + len(who.bits) + 34 * len(who.others)
             for peer in r.targets():
-                self.send(m, peer, mine.delta.numel() * 4 + 64 + 40 * len(mine.contributors), self.deliver, mine)
+                self.send(m, peer, size, self.deliver, mine)
         gone = {p for p in r.ranges if p not in self.members or not self.members[p].alive}
         if not r.can_close(self.now, gone):
             return

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from spheroid.averaging import group_digest
 from spheroid.wire import EncodedTensor, decode_body, encode, encode_tensor_pieces
 
 HERE = Path(__file__).parent / "vectors"
@@ -66,7 +67,7 @@ def tensor_json(values, shape, dtype="float32", codec="raw", compression="none",
 
 
 VALID = {
-    "hello": {"t": "hello", "id": 1, "version": 4, "swarm": "spheroid", "node": "0f" * 16,
+    "hello": {"t": "hello", "id": 1, "version": 5, "swarm": "spheroid", "node": "0f" * 16,
               "addr": "10.0.0.1:7400", "role": "worker", "blocks": [2], "nonce": {"$bin": "a5" * 16},
               "auth": True, "boot": {"$bin": "01" * 8}},
     "auth": {"t": "auth", "id": 2, "mac": {"$bin": "5c" * 32}},
@@ -98,7 +99,7 @@ VALID = {
         [0.0, 0.0, 0.0], [3], codec="int8", rounded=True)},
     # int4: scale = 7 / 7 = 1, ties to even, two values a byte (low nibble first), an odd count's
     # last high nibble 0
-    "int4_rounding": {"t": "stream_chunk", "id": 37, "stream": 3, "seq": 3, "data": tensor_json(
+    "int4_rounding": {"t": "stream_chunk", "id": 38, "stream": 3, "seq": 3, "data": tensor_json(
         [7.0, 0.5, 1.5, 2.5, -0.5, -1.5, 6.6, -7.0, 3.5], [9], codec="int4", rounded=True)},
     "bf16_rounding": {"t": "stream_chunk", "id": 35, "stream": 2, "seq": 1, "data": tensor_json(
         [1.00390625, 1.01171875, 1.0039072036743164, -1.00390625], [4], codec="bf16", rounded=True)},
@@ -113,7 +114,8 @@ VALID = {
     "update": {"t": "update", "id": 22, "block": 2, "round": 7, "base": "ab" * 32, "samples": 256, "lo": 0,
                "hi": 4096, "stream": 5},
     "reduced": {"t": "reduced", "id": 37, "block": 2, "round": 7, "base": "ab" * 32, "samples": 512, "lo": 4096,
-                "hi": 8192, "contributors": ["0f" * 16, "1e" * 16], "stream": 7},
+                "hi": 8192, "group": {"$bin": group_digest(["0f" * 16, "1e" * 16, "2d" * 16]).hex()},
+                "members": {"$bin": "05"}, "others": ["3c" * 16], "stream": 7},  # 0f.. and 2d.. of the group, and 3c..
     "state_get": {"t": "state_get", "id": 23, "block": 2},
     "state_reply": {"t": "state_reply", "id": 24, "re": 23, "block": 2, "round": 7, "samples": 1792,
                     "hash": "ab" * 32, "stream": 6, "config": {"model": {"d_model": 32}}},

@@ -161,6 +161,53 @@ def partition(n_params: int, group: list[str]) -> dict[str, tuple[int, int]]:
     return ranges
 
 
+def group_digest(group: list[str]) -> bytes:
+    """8 bytes that name a round's group (its sorted members): contributors travel as a bitmap over it."""
+    return hashlib.sha256("\n".join(sorted(group)).encode()).digest()[:8]
+
+
+@dataclass(frozen=True)
+class Contributors:
+    """Whose parts went into an averaged range, in about n / 8 bytes for a group of n (a list of ids
+    took 32 bytes each, so at hundreds of replicas the lists outweighed the data): one bit per
+    member of the sorted group named by `group`, the lowest bit of each byte first, and the ids of
+    contributors outside the group (a joiner that sent its parts)."""
+
+    group: bytes  # group_digest of the group the bits are over
+    bits: bytes  # ceil(n / 8) bytes; bit i of byte i // 8 for member i
+    others: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, group: list[str], names: list[str]) -> Contributors:
+        members = sorted(group)
+        index = {m: i for i, m in enumerate(members)}
+        bits = bytearray((len(members) + 7) // 8)
+        for name in names:
+            if name in index:
+                bits[index[name] // 8] |= 1 << (index[name] % 8)
+        return cls(group_digest(members), bytes(bits), tuple(sorted(set(names) - set(index))))
+
+    def problem(self, group: list[str], digest: bytes) -> str | None:
+        """Why these cannot be contributors of a range of the round of `group` (whose digest is
+        `digest`); None: they can."""
+        if self.group != digest:
+            return "contributors over another group (another partition)"
+        n = len(group)
+        if len(self.bits) != (n + 7) // 8 or (n % 8 and self.bits[-1] >> (n % 8)):
+            return f"a contributor bitmap of {len(self.bits)} bytes for a group of {n}"
+        if self.others and (len(set(self.others)) != len(self.others) or set(self.others) & set(group)):
+            return "repeated contributors"
+        if not self.others and not any(self.bits):
+            return "no contributors"
+        return None
+
+    def names(self, group: list[str]) -> list[str]:
+        """The contributors' ids (for a group without `problem`), sorted."""
+        members = sorted(group)
+        inside = [m for i, m in enumerate(members) if self.bits[i // 8] >> (i % 8) & 1]
+        return sorted(inside + list(self.others))
+
+
 @dataclass
 class Part:
     """A replica's update restricted to one owner's range, for that owner to average."""
@@ -183,7 +230,7 @@ class Reduced:
     base: str
     lo: int
     hi: int
-    contributors: list[str]
+    contributors: Contributors
     samples: int  # the samples behind the parts averaged
     delta: torch.Tensor  # (hi - lo,) float32, as decoded from the wire
 
@@ -241,6 +288,7 @@ class Replica:
 
     def _start_round(self) -> None:
         self.group: list[str] = []  # fixed at submit: the members, sorted
+        self.digest = b""  # the group's digest
         self.ranges: dict[str, tuple[int, int]] = {}
         self.own: torch.Tensor | None = None  # this round's update, as computed (not through the codec)
         self.own_samples = 0
@@ -274,6 +322,7 @@ class Replica:
         returns the parts to send, by owner (every owner but itself)."""
         members = set(self.expected) | ({self.me} if self.synced else set())
         self.group = sorted(members) or [self.me]
+        self.digest = group_digest(self.group)
         self.ranges = partition(self.n_params, self.group)
         self.own, self.own_samples, self.ready_at = delta, samples, now
         parts = {}
@@ -343,9 +392,7 @@ class Replica:
             return "duplicate"
         if self.ranges.get(m.sender) != (m.lo, m.hi):
             return "not the sender's range (another partition)"
-        if not m.contributors or len(set(m.contributors)) != len(m.contributors):
-            return "no contributors, or repeated ones"
-        return None
+        return m.contributors.problem(self.group, self.digest)
 
     def can_reduce(self, now: float) -> bool:
         """This replica owns a range it has not averaged yet, and every member's part is in, or half
@@ -367,7 +414,8 @@ class Replica:
         average = torch.mul(self.parts[used[0]].delta, self.parts[used[0]].samples / total)
         for s in used[1:]:
             average.add_(self.parts[s].delta, alpha=self.parts[s].samples / total)
-        mine = Reduced(self.me, self.round, self.state.version.hash, lo, hi, used, total, average)
+        contributors = Contributors.of(self.group, used)
+        mine = Reduced(self.me, self.round, self.state.version.hash, lo, hi, contributors, total, average)
         decoded = self._with_feedback(average, lo, hi) if self.cfg.feedback and self.cfg.lossy else self.wire(average)
         self.reduced[self.me] = Reduced(**{**mine.__dict__, "delta": decoded})
         return mine
@@ -386,7 +434,7 @@ class Replica:
         """Who gets this replica's reduced range: the group, every contributor, and the peers that
         announced this replica's version (a joiner on it gets the round's result, and so is in step
         for the next), itself aside."""
-        contributors = self.reduced[self.me].contributors if self.me in self.reduced else []
+        contributors = self.reduced[self.me].contributors.names(self.group) if self.me in self.reduced else []
         on_this_state = {p for p, (version, _) in self.announced.items() if version == self.state.version}
         return sorted((set(self.group) | set(contributors) | on_this_state) - {self.me})
 
@@ -414,10 +462,11 @@ class Replica:
         for owner, (lo, hi) in self.ranges.items():
             got = self.reduced.get(owner)
             average[lo:hi] = got.delta if got is not None else 0.0
+            names = set(got.contributors.names(self.group)) if got is not None else set()
             if got is not None:
                 samples.append(got.samples)
-                contributors = set(got.contributors) if contributors is None else contributors & set(got.contributors)
-            if got is None or self.me not in got.contributors:  # not averaged: stays this replica's progress
+                contributors = names if contributors is None else contributors & names
+            if got is None or self.me not in names:  # not averaged: stays this replica's progress
                 carry = torch.zeros_like(average) if carry is None else carry
                 carry[lo:hi] = self.own[lo:hi]
             elif self.cfg.feedback and self.cfg.lossy:  # averaged as its owner decoded it: carry the rest

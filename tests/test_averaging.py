@@ -11,11 +11,13 @@ import torch
 
 from spheroid.averaging import (
     AveragingConfig,
+    Contributors,
     Part,
     Reduced,
     Replica,
     SharedState,
     Version,
+    group_digest,
     partition,
     state_hash,
 )
@@ -224,19 +226,34 @@ def test_bad_parts_and_ranges_are_refused_and_counted(bad, reason, kind):
     lo, hi = me.range if kind == "part" else partition(P, [me.me, peer.me])[peer.me]
     base = peer.state.version.hash
     message = (Part(peer.me, 0, base, 8, lo, hi, torch.zeros(hi - lo)) if kind == "part" else
-               Reduced(peer.me, 0, base, lo, hi, [me.me, peer.me], 16, torch.zeros(hi - lo)))
+               Reduced(peer.me, 0, base, lo, hi, Contributors.of(me.group, [me.me, peer.me]), 16, torch.zeros(hi - lo)))
     bad(message)
     assert reason in me.offer(message)
     assert me.counters.rejected == 1 and peer.me not in me.parts and peer.me not in me.reduced
 
 
-def test_a_reduced_range_needs_distinct_contributors():
+def test_contributors_travel_as_a_bitmap_over_the_group():
+    group = [f"{i:032x}" for i in range(20)]
+    joiner = "f" * 32
+    who = Contributors.of(group, [group[0], group[9], group[19], joiner])
+    assert len(who.bits) == 3 and who.others == (joiner,) and len(who.group) == 8
+    assert who.names(group) == sorted([group[0], group[9], group[19], joiner])
+    assert who.problem(group, group_digest(group)) is None
+
+
+@pytest.mark.parametrize("who, reason", [
+    (lambda g: Contributors.of(g, []), "no contributors"),
+    (lambda g: Contributors.of(g, [g[0]]).__class__(group_digest(g), b"\x01", (g[1],)), "repeated"),
+    (lambda g: Contributors.of(g[:1], [g[0]]), "another group"),
+    (lambda g: Contributors(group_digest(g), b"\x01\x00", ()), "bitmap of 2 bytes"),
+    (lambda g: Contributors(group_digest(g), b"\x04", ()), "bitmap of 1 bytes"),  # a bit past the group's 2
+])
+def test_a_reduced_range_needs_contributors_of_its_group(who, reason):
     me, peer = replicas(2)
     me.submit(torch.zeros(P), 8, now=0.0)
     lo, hi = partition(P, [me.me, peer.me])[peer.me]
-    for contributors in ([], [peer.me, peer.me]):
-        assert "contributors" in me.offer(Reduced(peer.me, 0, me.state.version.hash, lo, hi, contributors, 16,
-                                                  torch.zeros(hi - lo)))
+    message = Reduced(peer.me, 0, me.state.version.hash, lo, hi, who(me.group), 16, torch.zeros(hi - lo))
+    assert reason in me.offer(message) and me.counters.rejected == 1
 
 
 def test_stale_and_late_rounds_are_dropped():

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..averaging import CODECS, Closed, Part, Reduced, Replica
+from ..averaging import CODECS, Closed, Contributors, Part, Reduced, Replica
 from ..wire import messages
 from .connection import Connection, PeerGone
 from .node import Node
@@ -74,7 +74,8 @@ class Averager:
             if isinstance(what, Part):
                 await conn.send(messages.Update(**fields))
             else:
-                await conn.send(messages.Reduced(**fields, contributors=what.contributors))
+                who = what.contributors
+                await conn.send(messages.Reduced(**fields, group=who.group, members=who.bits, others=list(who.others)))
 
     async def on_update(self, conn: Connection, msg: messages.Message) -> None:
         if msg.block != self.block:
@@ -85,10 +86,10 @@ class Averager:
         self.changed.set()
 
     async def on_reduced(self, conn: Connection, msg: messages.Message) -> None:
-        if msg.block != self.block or not all(isinstance(c, str) for c in msg.contributors):
+        if msg.block != self.block or not all(isinstance(c, str) for c in msg.others):
             log.warning("reduced range from %s refused: block %d, or contributors that are not node ids",
                         conn.label[:8], msg.block)
             return
-        self.replica.offer(Reduced(conn.label, msg.round, msg.base, msg.lo, msg.hi, list(msg.contributors),
-                                   msg.samples, msg.tensor))
+        who = Contributors(msg.group, msg.members, tuple(msg.others))
+        self.replica.offer(Reduced(conn.label, msg.round, msg.base, msg.lo, msg.hi, who, msg.samples, msg.tensor))
         self.changed.set()

@@ -19,7 +19,7 @@ import torch
 
 from .errors import ProtocolError
 
-VERSION = 4
+VERSION = 5
 
 # kind of each field; a trailing "?" marks it optional
 SCHEMAS: dict[str, dict[str, str]] = {
@@ -52,7 +52,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "update": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
                "stream": "uint"},
     "reduced": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
-                "contributors": "list", "stream": "uint"},
+                "group": "bin", "members": "bin", "others": "list", "stream": "uint"},
     # a state transfer; with "since" (the hash of a state the requester holds) and "codec", the
     # responder may send the parameters' change since that state instead, in that codec, and says so
     # with "since" in its reply
