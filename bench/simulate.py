@@ -73,6 +73,7 @@ class Member:
     side: int
     alive: bool = True
     token: int = 0  # of its current training run
+    fetching: bool = False  # a state transfer to it is under way (a node runs one at a time)
     first_member_round: float | None = None
     sent: dict[int, list] = field(default_factory=dict)  # round -> [bytes, peers]
 
@@ -243,7 +244,10 @@ class Swarm:
 
     def maybe_fetch(self, m: Member, in_round: bool = False) -> bool:
         """Fetch the preferred announced state from a live holder (rendezvous-hashed, as a node picks
-        its donor, so that joiners spread over the holders); whether a fetch started."""
+        its donor, so that joiners spread over the holders), unless one is under way, as a node does;
+        whether a fetch started."""
+        if m.fetching:
+            return False
         best, holders = None, []
         for name, (version, _) in m.replica.announced.items():
             peer = self.members.get(name)
@@ -262,9 +266,11 @@ class Swarm:
         self.send(holder, m.name, size, self.fetched, SharedState(state.version, state.params.clone()),
                   averaging=False)
         self.fetches += 1
+        m.fetching = True
         return True
 
     def fetched(self, m: Member, state: SharedState) -> None:
+        m.fetching = False
         if not m.alive or not m.replica.wants(state.version, in_round=self.now < self.stop_at):
             if m.replica.ready_at is None and m.alive:
                 self.train(m)  # nothing to adopt after all: back to training

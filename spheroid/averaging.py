@@ -31,11 +31,13 @@ average of a range to its next average of that range: rounding errors are sent l
 A round with a missing range counts no samples (`Version.samples` adds the least any range averaged), so
 the version rule below makes such replicas adopt a complete state when one exists.
 
-Who is waited for: the group is the replica and the peers in step with it (they contributed to
-its previous round, or announced its version as the result of a round of theirs). A replica that
-fetched its state (a joiner, a restart) is not a member: it sends its parts to the members' ranges
-and owns none, so nobody waits for it; once its parts are in every range it is a contributor, in
-step, and a member from the next round on.
+Who is waited for: the group is the replica and the peers in step with it: those whose parts went
+into every range of its previous round, which everyone who closed that round with the same ranges
+computes alike (or that announced its version as members). A replica is a member of its next group
+only if its own parts went into every range, so it and its peers agree on the group without
+depending on when announcements arrive. A replica that fetched its state (a joiner, a restart) is
+not a member: it sends its parts to the members' ranges and owns none, so nobody waits for it; once
+its parts are in every range it is a contributor, in step, and a member from the next round on.
 
 When replicas diverge anyway (a late range, a restart), they announce their `Version` and one rule
 settles which state the swarm keeps: a later round wins, then the state that averaged more samples,
@@ -278,7 +280,7 @@ class Replica:
     cfg: AveragingConfig
     expected: set[str] = field(default_factory=set)  # peers in step with this replica
     counters: Counters = field(default_factory=Counters)
-    synced: bool = True  # reached its state by a round (or genesis): a member of the next group
+    synced: bool = True  # a member of the next group: genesis, or its parts made every range of its last round
     wire: Callable[[torch.Tensor], torch.Tensor] = identity
 
     def __post_init__(self) -> None:
@@ -480,7 +482,7 @@ class Replica:
         added = 0 if missing else min(samples)
         self.state = SharedState.create(self.round + 1, self.state.version.samples + added, params, momentum)
         self.counters.rounds += 1
-        self.synced = True
+        self.synced = self.me in used  # a member of the next group only if its parts made every range
         self.expected = (set(used) | self._in_step()) - {self.me}
         rejected, ready_at = self.rejected, self.ready_at
         self._start_round()
@@ -513,8 +515,8 @@ class Replica:
     # --- versions -----------------------------------------------------------------------------------
 
     def note_version(self, peer: str, version: Version, synced: bool) -> None:
-        """A peer announced its version; `synced` when it got there by closing a round (or genesis)
-        and is still training.
+        """A peer announced its version; `synced` when it got there by closing a round whose every range
+        its parts went into (or holds genesis), and is still training.
 
         Peers in step (synced, on this replica's version) are members of its next group; a peer
         that fetched the state (a joiner, a restarted node) is not, until it has contributed.

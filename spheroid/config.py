@@ -211,7 +211,8 @@ class NodeConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     ping_interval: float = 2.0
-    gossip_interval: float = 3.0
+    gossip_interval: float = 3.0  # while membership changes; doubling up to gossip_max while it does not
+    gossip_max: float = 24.0  # (below forget_after, so that gossip keeps the peers it learned)
     seed_interval: float = 10.0
     dead_after: float = 8.0  # a connection silent this long is dropped (pings keep live ones talking)
     forget_after: float = 30.0  # a peer neither connected nor advertised this long is forgotten
@@ -229,6 +230,8 @@ class NodeConfig:
             parse_addr(addr)
         if self.ping_interval <= 0 or self.dead_after <= self.ping_interval:
             raise ValueError("need 0 < ping_interval < dead_after")
+        if not 0 < self.gossip_interval <= self.gossip_max < self.forget_after:
+            raise ValueError("need 0 < gossip_interval <= gossip_max < forget_after")
 
     @property
     def address(self) -> str:

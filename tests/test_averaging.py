@@ -400,8 +400,8 @@ class Sim:
         self.closes.append((r.me, closed.state.version.round - 1, ready, self.now, len(closed.contributors)))
         self.local[r.me] = closed.state.params + (0 if closed.carry is None else closed.carry)
         for peer in self.group:
-            if peer is not r:
-                self.at(self.latency, self.announce, peer, r, closed.state.version, True)
+            if peer is not r:  # (synced: a member of its next group, as a node announces it)
+                self.at(self.latency, self.announce, peer, r, closed.state.version, r.synced)
         self.maybe_fetch(r)
         self.train(r)
 

@@ -277,3 +277,39 @@ def test_a_quiet_client_that_answers_pings_is_never_cut_off(node):
             await conn.close()
 
     assert asyncio.run(scenario())["node"]
+
+
+def test_gossip_slows_down_while_membership_is_settled_and_speeds_up_when_it_changes(tmp_path):
+    """On a settled swarm peer lists are asked for less and less often (they were most of the bytes of
+    a swarm that averages rarely); a peer leaving brings the interval back at once."""
+
+    async def main() -> None:
+        ports = [free_port() for _ in range(3)]
+        nodes = []
+        for i, port in enumerate(ports):
+            cfg = NodeConfig(listen=f"127.0.0.1:{port}", peers=(f"127.0.0.1:{ports[0]}",) if i else (),
+                             identity=str(tmp_path / f"n{i}.json"), gossip_interval=0.2, gossip_max=1.6)
+            nodes.append(Node(cfg, load_or_create(cfg.identity)))
+            await nodes[-1].start()
+        seed = nodes[0]
+
+        def asked() -> int:
+            return seed.traffic.by_type()["sent"].get("peers", {}).get("frames", 0)
+
+        try:
+            while any(len(n.conns) < 2 for n in nodes):  # the full mesh
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(4.0)  # settled: intervals 0.2, 0.4, 0.8, 1.6, 1.6 ...
+            before = asked()
+            await asyncio.sleep(6.4)
+            settled = asked() - before  # at most 5 rounds of 2 requests (32 at 0.2 s apart)
+            assert settled <= 10, settled
+            before = asked()
+            await nodes.pop().stop()
+            await asyncio.sleep(1.0)  # the loss wakes gossip: a round within 0.2 s of it, then 0.2 s apart
+            assert asked() - before >= 2
+        finally:
+            for n in nodes:
+                await n.stop()
+
+    asyncio.run(main())

@@ -5,7 +5,7 @@ Every connection, inbound or outbound, starts with the handshake that its `wire.
 completes, and it must complete within `handshake_timeout`. Connections still in their handshake
 are capped in all and per source address. After that the node answers pings, peer lists and status
 requests, and runs four loops: ping (RTT and liveness, clients included), gossip (swap samples of
-peer lists, dial a few peers it learns of), seeds (re-dial the seed list so a split swarm heals)
+peer lists, dial a few peers it learns of; less often while membership does not change), seeds (re-dial the seed list so a split swarm heals)
 and a status line. A connection that stays silent past `dead_after` is dropped; a peer that is
 neither connected nor advertised for `forget_after` is forgotten; the known-peers table is bounded.
 Incoming tensor streams of all connections share one memory budget.
@@ -151,6 +151,7 @@ class Node:
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
+        self._membership_changed = asyncio.Event()  # a peer connected or left: gossip soon
         self._ssl_server, self._ssl_client = ssl_contexts(cfg)
         self.state_file = Path(f"{cfg.identity}.peers.json")
         # what a node does besides membership (training, serving) plugs in here
@@ -279,6 +280,7 @@ class Node:
         self.clients.discard(conn)
         if self.conns.get(conn.label) is conn:
             del self.conns[conn.label]
+            self._membership_changed.set()
             log.info("peer %s (%s) disconnected", conn.label[:8], hello.addr)
 
     async def _admitted_hello(self, conn: Connection) -> Hello | None:
@@ -321,6 +323,7 @@ class Node:
                 log.debug("duplicate connection to %s; keeping the other one", conn.label[:8])
                 return False
         self.conns[conn.label] = conn
+        self._membership_changed.set()
         if existing is not None and existing is not conn:
             self.spawn(existing.close())
         info = self.known.get(conn.label)
@@ -387,15 +390,31 @@ class Node:
                     await conn.send(Ping(ts=time.monotonic()))
 
     async def _gossip_loop(self) -> None:
+        """Gossip every gossip_interval while membership changes; while it does not, twice as long
+        each time up to gossip_max (on a settled swarm, peer lists were most of the bytes that
+        averaging int4 updates every few hundred steps moves); a peer connecting or leaving brings
+        the interval back down at once."""
+        interval = self.cfg.gossip_interval
         while True:
-            await asyncio.sleep(self.cfg.gossip_interval)
-            await self.gossip_once()
+            try:
+                async with asyncio.timeout(interval):  # (not wait_for, which can swallow a cancellation)
+                    await self._membership_changed.wait()
+            except TimeoutError:
+                pass
+            else:
+                await asyncio.sleep(self.cfg.gossip_interval)  # (let a burst of changes settle first)
+            changed = self._membership_changed.is_set()
+            self._membership_changed.clear()
+            learned = await self.gossip_once()
+            interval = self.cfg.gossip_interval if changed or learned else min(2 * interval, self.cfg.gossip_max)
 
-    async def gossip_once(self) -> None:
+    async def gossip_once(self) -> int:
         """Ask every connected peer for a sample of its peers (all at once, so a slow peer delays
-        nobody), learn new ones, forget stale ones, and start dialling a few."""
+        nobody), learn new ones, forget stale ones, and start dialling a few; how many it learned."""
         now = time.monotonic()
+        known = len(self.known)
         await asyncio.gather(*(self._ask_peers(conn, now) for conn in list(self.conns.values())))
+        learned = max(0, len(self.known) - known)
         for node in [n for n in self.conns if n in self.known]:
             self.known[node].last_seen = now
         for node, info in list(self.known.items()):
@@ -410,6 +429,7 @@ class Node:
         room = min(self.cfg.max_peers - len(self.conns), DIALS_AT_ONCE - len(self._dialing))
         for info in sorted(due, key=lambda i: (i.failures, i.learned))[: max(0, room)]:
             self.spawn(self._dial_learned(info))
+        return learned
 
     async def _dial_learned(self, info: PeerInfo) -> None:
         if await self.dial(info.addr) is None:
