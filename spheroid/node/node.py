@@ -5,8 +5,8 @@ Every connection, inbound or outbound, starts with the handshake that its `wire.
 completes, and it must complete within `handshake_timeout`. Connections still in their handshake
 are capped in all and per source address. After that the node answers pings, peer lists and status
 requests, and runs four loops: ping (RTT and liveness, clients included), gossip (swap samples of
-peer lists, dial a few peers it learns of; less often while membership does not change), seeds (re-dial the seed list so a split swarm heals)
-and a status line. A connection that stays silent past `dead_after` is dropped; a peer that is
+peer lists, dial a few peers it learns of; less often while membership does not change), seeds
+(re-dial the seed list so a split swarm heals) and a status line. A connection that stays silent past `dead_after` is dropped; a peer that is
 neither connected nor advertised for `forget_after` is forgotten; the known-peers table is bounded.
 Incoming tensor streams of all connections share one memory budget.
 """
