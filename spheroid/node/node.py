@@ -6,9 +6,10 @@ completes, and it must complete within `handshake_timeout`. Connections still in
 are capped in all and per source address. After that the node answers pings, peer lists and status
 requests, and runs four loops: ping (RTT and liveness, clients included), gossip (swap samples of
 peer lists, dial a few peers it learns of; less often while membership does not change), seeds
-(re-dial the seed list so a split swarm heals) and a status line. A connection that stays silent past `dead_after` is dropped; a peer that is
-neither connected nor advertised for `forget_after` is forgotten; the known-peers table is bounded.
-Incoming tensor streams of all connections share one memory budget.
+(re-dial the seed list so a split swarm heals) and a status line. A connection that stays silent
+past `dead_after` is dropped; a peer that is neither connected nor advertised for `forget_after`
+is forgotten; the known-peers table is bounded. Incoming tensor streams of all connections share
+one memory budget.
 """
 
 from __future__ import annotations
