@@ -391,10 +391,10 @@ class Node:
                     await conn.send(Ping(ts=time.monotonic()))
 
     async def _gossip_loop(self) -> None:
-        """Gossip every gossip_interval while membership changes; while it does not, twice as long
-        each time up to gossip_max (on a settled swarm, peer lists were most of the bytes that
-        averaging int4 updates every few hundred steps moves); a peer connecting or leaving brings
-        the interval back down at once."""
+        """Gossip every gossip_interval until membership is settled (nothing new learned, every peer
+        known connected or the connections full); then twice as long each time, up to gossip_max (on
+        a settled swarm, peer lists were most of the bytes of averaging int4 updates every hundred
+        steps); a peer connecting or leaving brings the interval back down at once."""
         interval = self.cfg.gossip_interval
         while True:
             try:
@@ -406,12 +406,13 @@ class Node:
                 await asyncio.sleep(self.cfg.gossip_interval)  # (let a burst of changes settle first)
             changed = self._membership_changed.is_set()
             self._membership_changed.clear()
-            learned = await self.gossip_once()
-            interval = self.cfg.gossip_interval if changed or learned else min(2 * interval, self.cfg.gossip_max)
+            settled = await self.gossip_once()
+            interval = min(2 * interval, self.cfg.gossip_max) if settled and not changed else self.cfg.gossip_interval
 
-    async def gossip_once(self) -> int:
+    async def gossip_once(self) -> bool:
         """Ask every connected peer for a sample of its peers (all at once, so a slow peer delays
-        nobody), learn new ones, forget stale ones, and start dialling a few; how many it learned."""
+        nobody), learn new ones, forget stale ones, and start dialling a few. Whether membership
+        looks settled: nothing new learned, and no known peer left to connect to while there is room."""
         now = time.monotonic()
         known = len(self.known)
         await asyncio.gather(*(self._ask_peers(conn, now) for conn in list(self.conns.values())))
@@ -430,7 +431,8 @@ class Node:
         room = min(self.cfg.max_peers - len(self.conns), DIALS_AT_ONCE - len(self._dialing))
         for info in sorted(due, key=lambda i: (i.failures, i.learned))[: max(0, room)]:
             self.spawn(self._dial_learned(info))
-        return learned
+        unconnected = any(n not in self.conns and i.addr for n, i in self.known.items())
+        return not learned and not (unconnected and len(self.conns) < self.cfg.max_peers)
 
     async def _dial_learned(self, info: PeerInfo) -> None:
         if await self.dial(info.addr) is None:
