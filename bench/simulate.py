@@ -240,7 +240,8 @@ class Swarm:
             m.replica.note_version(sender, version, synced)
             if m.replica.ready_at is None and m.token == 0:
                 return  # a joiner still waiting for gossip
-            self.maybe_fetch(m, in_round=True)
+            if m.replica.wants(version, in_round=self.now < self.stop_at):  # (else nothing new to fetch)
+                self.maybe_fetch(m, in_round=True)
 
     def maybe_fetch(self, m: Member, in_round: bool = False) -> bool:
         """Fetch the preferred announced state from a live holder (rendezvous-hashed, as a node picks

@@ -206,6 +206,9 @@ class Contributors:
     def names(self, group: list[str]) -> list[str]:
         """The contributors' ids (for a group without `problem`), sorted."""
         members = sorted(group)
+        n = len(members)
+        if self.bits == b"\xff" * (n // 8) + (bytes([(1 << n % 8) - 1]) if n % 8 else b""):  # (every member)
+            return sorted(members + list(self.others)) if self.others else members
         inside = [m for i, m in enumerate(members) if self.bits[i // 8] >> (i % 8) & 1]
         return sorted(inside + list(self.others))
 

@@ -395,9 +395,10 @@ class BlockWorker:
             self.upstream.note(conn.label, msg.block, Version(msg.round, msg.samples, msg.hash))
         if msg.block != self.block:
             return
-        self.replica.note_version(conn.label, Version(msg.round, msg.samples, msg.hash), msg.synced)
+        version = Version(msg.round, msg.samples, msg.hash)
+        self.replica.note_version(conn.label, version, msg.synced)
         self.changed.set()
-        if not self.fresh:
+        if not self.fresh and self.replica.wants(version, in_round=not self.done):  # (else nothing new to fetch)
             self._settle_fetch()
 
     def _settle_fetch(self) -> asyncio.Task | None:
