@@ -211,7 +211,7 @@ class NodeConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     ping_interval: float = 2.0
-    gossip_interval: float = 3.0  # while membership changes; doubling up to gossip_max while it does not
+    gossip_interval: float = 3.0  # until membership settles; then doubling each time up to gossip_max
     gossip_max: float = 24.0  # (below forget_after, so that gossip keeps the peers it learned)
     seed_interval: float = 10.0
     dead_after: float = 8.0  # a connection silent this long is dropped (pings keep live ones talking)

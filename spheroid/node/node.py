@@ -392,9 +392,9 @@ class Node:
 
     async def _gossip_loop(self) -> None:
         """Gossip every gossip_interval until membership is settled (nothing new learned, every peer
-        known connected or the connections full); then twice as long each time, up to gossip_max (on
-        a settled swarm, peer lists were most of the bytes of averaging int4 updates every hundred
-        steps); a peer connecting or leaving brings the interval back down at once."""
+        known connected or the connections full); then twice as long each time, up to gossip_max (a
+        settled swarm that averages rarely moved much of its bytes in peer lists every 3 s); a peer
+        connecting or leaving brings the interval back down at once."""
         interval = self.cfg.gossip_interval
         while True:
             try:
