@@ -13,7 +13,7 @@ import pytest
 
 from spheroid.config import NodeConfig
 from spheroid.node.accounting import Traffic
-from spheroid.node.connection import Connection
+from spheroid.node.connection import dial
 from spheroid.node.node import open_session
 
 from .nodes import NodeProcess, RawPeer, hello, wait_until
@@ -93,11 +93,11 @@ def test_a_replayed_handshake_is_refused(tmp_path, secret_file):
     recorded = bytearray()
 
     async def genuine() -> None:
-        reader, writer = await asyncio.open_connection(*n.addr.split(":"))
-        write = writer.write
-        writer.write = lambda data: (recorded.extend(data), write(data))[1]  # a tap on the wire
         me = {"node": os.urandom(16).hex(), "addr": "", "role": "client", "blocks": [], "boot": os.urandom(8)}
-        conn = Connection(reader, writer, Traffic(), open_session(me, NodeConfig(), SECRET, True, 1 << 20))
+        host, port = n.addr.split(":")
+        conn = await dial(host, int(port), Traffic(), open_session(me, NodeConfig(), SECRET, True, 1 << 20), 10.0)
+        write = conn.transport.write
+        conn.transport.write = lambda data: (recorded.extend(data), write(data))[1]  # a tap on the wire
         await conn.open()
         await conn.close()
 

@@ -12,7 +12,7 @@ import torch
 
 from spheroid.config import NodeConfig
 from spheroid.node.accounting import Traffic
-from spheroid.node.connection import Connection
+from spheroid.node.connection import Connection, dial
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node, QuietLog, open_session
 from spheroid.wire import encode, stream_frames
@@ -192,9 +192,9 @@ def test_a_peer_list_flood_keeps_the_table_bounded_and_real_peers_reachable(tmp_
 
 async def member(cfg: NodeConfig, node_id: str) -> Connection:
     """An in-process member connected to the node of cfg, its handshake done."""
-    reader, writer = await asyncio.open_connection(*cfg.listen.split(":"))
+    host, port = cfg.listen.split(":")
     me = {"node": node_id, "addr": f"127.0.0.1:{free_port()}", "role": "worker", "blocks": [], "boot": b"12345678"}
-    conn = Connection(reader, writer, Traffic(), open_session(me, cfg, None, True, 1 << 20))
+    conn = await dial(host, int(port), Traffic(), open_session(me, cfg, None, True, 1 << 20), 10.0)
     await conn.open()
     return conn
 

@@ -13,7 +13,7 @@ import pytest
 
 from spheroid.config import NodeConfig
 from spheroid.node.accounting import Traffic
-from spheroid.node.connection import Connection, PeerGone
+from spheroid.node.connection import Connection, PeerGone, dial
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node
 from spheroid.wire import VERSION, ProtocolError, encode
@@ -237,9 +237,9 @@ def test_gossip_survives_a_peer_that_advertises_garbage(tmp_path):
         cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"))
         node = Node(cfg, load_or_create(cfg.identity))
         await node.start()
-        reader, writer = await asyncio.open_connection("127.0.0.1", int(cfg.listen.split(":")[1]))
         me = {"node": "ab" * 16, "addr": "127.0.0.1:1", "role": "worker", "blocks": [], "boot": b"12345678"}
-        liar = Connection(reader, writer, Traffic(), Session(me, dialler=True, swarm=cfg.swarm, secret=None))
+        session = Session(me, dialler=True, swarm=cfg.swarm, secret=None)
+        liar = await dial("127.0.0.1", int(cfg.listen.split(":")[1]), Traffic(), session, 10.0)
         await liar.open()
         junk = [{"node": "cd" * 16, "addr": "not an address", "role": "worker", "blocks": []},
                 {"node": "zz", "addr": "127.0.0.1:2", "role": "worker", "blocks": []}]

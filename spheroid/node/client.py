@@ -37,7 +37,7 @@ from ..wire.messages import (
     Status,
 )
 from .accounting import Traffic
-from .connection import Connection, PeerGone, PeerRefused, PeerSilent
+from .connection import Connection, PeerGone, PeerRefused, PeerSilent, dial
 from .node import open_session, ssl_contexts
 
 log = logging.getLogger(__name__)
@@ -67,9 +67,9 @@ async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None, handl
 async def _connect_once(addr: str, cfg: NodeConfig, secret: bytes | None, handler) -> Connection:
     host, port = parse_addr(addr)
     _, client_ssl = ssl_contexts(cfg)
-    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=client_ssl), cfg.timeout)
     me = {"node": os.urandom(16).hex(), "addr": "", "role": "client", "blocks": [], "boot": os.urandom(8)}
-    conn = Connection(reader, writer, Traffic(), open_session(me, cfg, secret, True, cfg.recv_budget), cfg.timeout)
+    session = open_session(me, cfg, secret, True, cfg.recv_budget)
+    conn = await dial(host, port, Traffic(), session, cfg.timeout, client_ssl)
     try:
         await asyncio.wait_for(conn.open(), cfg.handshake_timeout)
     except (TimeoutError, PeerSilent) as exc:

@@ -1,9 +1,12 @@
 """One TCP connection speaking the protocol: the thin asyncio layer around the sans-I/O session.
 
-It moves bytes between the socket and a `wire.Session` (which runs the handshake, checks messages
-and reassembles streams), counts every frame, writes with backpressure (`drain` under a timeout),
-times out every wait for the peer, and matches replies ("re") to the requests waiting for them.
-Heavy tensor encoding runs in a worker thread.
+A `Connection` is the socket's asyncio protocol. It moves bytes between the socket and a
+`wire.Session` (which runs the handshake, checks messages and reassembles streams): the kernel
+reads straight into the session's buffer (a `BufferedProtocol`, so a stream chunk's bytes are not
+copied on their way to the decoder), and writes go out with backpressure (paused while the
+transport's buffer is full, under a timeout). It counts every frame, stops reading while the
+messages it has not handed over pile up, times out every wait for the peer, and matches replies
+("re") to the requests waiting for them. Heavy tensor encoding runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -42,25 +46,86 @@ class PeerRefused(PeerGone):
         self.code = code
 
 
-class Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, traffic: Traffic,
-                 session: Session, timeout: float = 10.0) -> None:
-        self.reader, self.writer = reader, writer
+class Connection(asyncio.BufferedProtocol):
+    """Made by `dial` or by a server's protocol factory (`listen`), which call `opened` once the
+    socket is connected (after TLS, when there is TLS)."""
+
+    MAX_QUEUED = 64  # events read but not yet taken by `recv` before the socket stops being read
+
+    def __init__(self, traffic: Traffic, session: Session, timeout: float = 10.0,
+                 opened: Callable[[Connection], None] | None = None) -> None:
         self.traffic = traffic
         self.timeout = timeout
         self.session = session
         self.label = "?"  # the peer's node id once the handshake is done
-        peer = writer.get_extra_info("peername") or ("?", 0)
-        self.host = str(peer[0])
-        self.remote = f"{peer[0]}:{peer[1]}"
+        self.host, self.remote = "?", "?:0"
         self.hello: Hello | None = None  # the peer's, once the handshake is done
         self.outbound = session.dialler  # True when this side dialled
         self.reader_task: asyncio.Task | None = None  # set when something else runs serve() for us
+        self.transport: asyncio.Transport | None = None
+        self._opened = opened
         self._streams = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
         self._inbox: list[Message] = []
         self._send_lock = asyncio.Lock()
+        self._events_in: list = []  # session events not yet taken by `_events`
+        self._wakeup: asyncio.Future | None = None  # what `_events` waits on
+        self._heard = 0.0  # loop time the peer last sent bytes
+        self._gone: PeerGone | None = None  # why the socket ended, once it has
+        self._lost = asyncio.get_running_loop().create_future()  # done when the socket is closed
+        self._writable = asyncio.Event()  # clear while the transport's write buffer is full
+        self._writable.set()
+        self._reading_paused = False
         self.closed = False
+
+    # --- the socket's callbacks (asyncio.BufferedProtocol) ------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        peer = transport.get_extra_info("peername") or ("?", 0)
+        self.host, self.remote = str(peer[0]), f"{peer[0]}:{peer[1]}"
+        self._heard = asyncio.get_running_loop().time()
+        if self._opened is not None:
+            self._opened(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.session.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._heard = asyncio.get_running_loop().time()
+        try:
+            self._events_in += self.session.buffer_updated(nbytes)
+        except ProtocolError:  # (kept in session.error: `_events` raises it after what came before)
+            self._pause_reading()
+        if len(self._events_in) >= self.MAX_QUEUED:
+            self._pause_reading()
+        self._wake()
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        return False  # (the transport closes itself: connection_lost follows)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._gone = PeerGone(f"{self.label} closed the connection" if exc is None
+                              else f"reading from {self.label} failed: {exc!r}")
+        self._writable.set()  # (a writer waiting for room finds the connection gone)
+        if not self._lost.done():
+            self._lost.set_result(None)
+        self._wake()
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     async def open(self) -> Hello:
         """Run the handshake; the peer's hello. ProtocolError if the peer breaks a rule (answer it with
@@ -100,14 +165,18 @@ class Connection:
             raise PeerGone(f"connection to {self.label} is closed")
         pieces = [frame] if isinstance(frame, bytes) else frame
         async with self._send_lock:
+            if self._gone is not None or self.transport.is_closing():
+                raise PeerGone(f"connection to {self.label} is closed")
             try:
                 for piece in pieces:
-                    self.writer.write(piece)
+                    self.transport.write(piece)
                 async with asyncio.timeout(self.timeout):
-                    await self.writer.drain()
+                    await self._writable.wait()
             except (TimeoutError, OSError) as exc:
                 await self.close()
                 raise PeerGone(f"sending to {self.label} failed: {exc!r}") from None
+            if self._gone is not None:
+                raise self._gone
         self.traffic.count("sent", self.label, kind, sum(len(p) for p in pieces), raw)
 
     async def send_tensor(self, tensor: torch.Tensor, codec: str = "raw", compression: str = "none") -> int:
@@ -152,22 +221,27 @@ class Connection:
         return self._inbox.pop(0)
 
     async def _events(self, timeout: float) -> list:
-        """The session's events from the next bytes the peer sends."""
-        if self.session.error is not None:  # what came before the bad frame has been handled
-            raise self.session.error
-        return self.session.receive_data(await self._read(timeout))
-
-    async def _read(self, timeout: float) -> bytes:
-        try:
-            async with asyncio.timeout(timeout):  # (cheaper than wait_for: no task per read)
-                data = await self.reader.read(1 << 18)
-        except TimeoutError:
-            raise PeerSilent(f"{self.label} sent nothing for {timeout}s") from None
-        except OSError as exc:
-            raise PeerGone(f"reading from {self.label} failed: {exc!r}") from None
-        if not data:
-            raise PeerGone(f"{self.label} closed the connection")
-        return data
+        """The session's next events from the peer; PeerSilent if it sent no byte for `timeout`
+        seconds (a large frame still arriving is not silence)."""
+        loop = asyncio.get_running_loop()
+        since = loop.time()
+        while not self._events_in:
+            if self.session.error is not None:  # what came before the bad frame has been handled
+                raise self.session.error
+            if self._gone is not None:
+                raise self._gone
+            deadline = max(since, self._heard) + timeout
+            if loop.time() >= deadline:
+                raise PeerSilent(f"{self.label} sent nothing for {timeout}s")
+            self._wakeup = loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await self._wakeup
+        events, self._events_in = self._events_in, []
+        if self._reading_paused and not self.closed and self.session.error is None:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        return events
 
     def _count(self, event: Opened | Arrived | Frame) -> None:
         if isinstance(event, Arrived):
@@ -212,8 +286,24 @@ class Connection:
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(PeerGone(f"connection to {self.label} closed"))
-        self.writer.close()
-        try:
-            await asyncio.wait_for(self.writer.wait_closed(), 2.0)
-        except (TimeoutError, OSError):
-            pass
+        self.transport.close()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                await self._lost
+
+
+async def dial(host: str, port: int, traffic: Traffic, session: Session, timeout: float,
+               tls: ssl.SSLContext | None = None) -> Connection:
+    """A connection to host:port (not yet through the handshake: `open` runs it). OSError or
+    TimeoutError when nobody answers."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout):
+        _, conn = await loop.create_connection(lambda: Connection(traffic, session, timeout), host, port, ssl=tls)
+    return conn
+
+
+async def listen(host: str, port: int, make: Callable[[], Connection], tls: ssl.SSLContext | None = None,
+                 backlog: int = 1024) -> asyncio.Server:
+    """A server whose every accepted socket is the Connection `make()` returns (whose `opened`
+    callback takes it from there)."""
+    return await asyncio.get_running_loop().create_server(make, host, port, ssl=tls, backlog=backlog)

@@ -49,7 +49,7 @@ from ..wire.messages import (
 from ..wire.session import Session, is_node_id
 from ..wire.streams import Budget
 from .accounting import Traffic
-from .connection import Connection, PeerGone
+from .connection import Connection, PeerGone, dial, listen
 from .identity import Identity
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class Node:
         host, port = parse_addr(self.cfg.listen)
         # a deep accept queue: connections beyond it wait in the kernel, unseen by the handshake
         # limits and deadline, and reach the node seconds later (SYN-ACK retries)
-        self._server = await asyncio.start_server(self._on_inbound, host, port, ssl=self._ssl_server, backlog=1024)
+        self._server = await listen(host, port, self._inbound, self._ssl_server, backlog=1024)
         log.info("node %s listening on %s (swarm %s, role %s%s)", self.id[:8], self.cfg.listen, self.cfg.swarm,
                  self.cfg.role, ", authenticated" if self.secret else "")
         for loop in (self._ping_loop, self._gossip_loop, self._seed_loop, self._status_loop):
@@ -225,17 +225,21 @@ class Node:
 
     # --- connections ------------------------------------------------------------------------------
 
-    async def _on_inbound(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        host = str((writer.get_extra_info("peername") or ("?",))[0])
+    def _inbound(self) -> Connection:
+        """The connection of a socket the server accepted; `_on_inbound` takes it once it is open."""
+        return Connection(self.traffic, self._session(dialler=False), self.cfg.timeout,
+                          opened=lambda conn: self.spawn(self._on_inbound(conn)))
+
+    async def _on_inbound(self, conn: Connection) -> None:
+        host = conn.host
         total = sum(self.unauthenticated.values())
         if total >= self.cfg.max_unauthenticated or self.unauthenticated[host] >= self.cfg.max_unauthenticated_per_host:
             self.quiet.log(logging.WARNING, "busy", "refused a connection from %s: %d connections (%d from there) "
                            "are still in their handshake", host, total, self.unauthenticated[host])
             busy = Error(id=1, code="busy", message="too many connections in their handshake; try again later")
-            writer.write(encode(busy.to_wire()))
-            writer.close()
+            conn.transport.write(encode(busy.to_wire()))
+            await conn.close()
             return
-        conn = Connection(reader, writer, self.traffic, self._session(dialler=False), self.cfg.timeout)
         await self._admit(conn)
 
     def _session(self, dialler: bool) -> Session:
@@ -250,13 +254,11 @@ class Node:
         self._dialing.add(addr)
         try:
             host, port = parse_addr(addr)
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port, ssl=self._ssl_client), self.cfg.timeout)
+            conn = await dial(host, port, self.traffic, self._session(dialler=True), self.cfg.timeout, self._ssl_client)
         except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
             log.debug("cannot reach %s: %r", addr, exc)
             self._dialing.discard(addr)
             return None
-        conn = Connection(reader, writer, self.traffic, self._session(dialler=True), self.cfg.timeout)
         admitted = asyncio.get_running_loop().create_future()
         self.spawn(self._admit(conn, admitted))
         try:

@@ -9,7 +9,6 @@ message schema. Nothing here touches a socket, so every property is tested on pl
 from __future__ import annotations
 
 import struct
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -121,24 +120,34 @@ def decode_body(body: bytes, max_frame: int = MAX_FRAME, limits: Limits = DEFAUL
 class Received(NamedTuple):
     message: dict
     size: int  # bytes the frame took on the wire, header included
-    body: bytes  # the frame's body as received (a handshake binds the hellos' exact bytes)
+    body: bytes | bytearray  # the frame's body as received (a handshake binds the hellos' exact bytes)
 
 
 class Decoder:
-    """Feed it bytes as they arrive; it returns the complete messages, or raises ProtocolError.
+    """Give it bytes as they arrive; it returns the complete messages, or raises ProtocolError.
+
+    Bytes come in two ways: `receive(data)` copies them in, and `get_buffer()` then
+    `buffer_updated(n)` let a socket read write straight into the decoder's memory (asyncio's
+    BufferedProtocol). Small frames collect in a scratch buffer; once a frame's header says it is
+    larger than `DIRECT` bytes, its body gets a buffer of its own and the rest of it is read into
+    place, so the bytes of a stream chunk are copied by the kernel and then only where msgpack and
+    the stream's tensor need them.
 
     Messages that were complete before a bad frame are returned first, in order; the error is then
     in `error` and raised by the next call. After an error the decoder is dead: the connection must
     be closed, since the byte stream can no longer be trusted to be aligned on frames.
     """
 
+    ROOM = 1 << 15  # the least room a read is offered in the scratch buffer (allocated at the first read)
+    DIRECT = 1 << 16  # frames with a larger body are read into a buffer of their own
+
     def __init__(self, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS) -> None:
         self.max_frame = max_frame
         self.limits = limits
-        # What arrived and is not yet a frame, as received: a frame's bytes are joined once, when it
-        # is complete (appending to one growing buffer copied a large frame several times over).
-        self._pieces: deque[bytes | memoryview] = deque()
-        self._size = 0
+        self._scratch = bytearray()  # (it grows beyond 2 ROOM only while complete frames wait in it)
+        self._start = self._end = 0  # the scratch's bytes [start, end) are received and not yet taken
+        self._body: bytearray | None = None  # a large frame's body, read into place
+        self._filled = 0  # bytes of `_body` received
         self._need: int | None = None  # body length of the frame being read, once its header is in
         self.error: ProtocolError | None = None
 
@@ -158,9 +167,34 @@ class Decoder:
         """Buffer data; `next_message` then takes the messages out one at a time."""
         if self.error is not None:
             raise self.error
-        if data:
-            self._pieces.append(data if isinstance(data, bytes) else bytes(data))
-            self._size += len(data)
+        data = memoryview(data)
+        while data:
+            with self.get_buffer() as buffer:
+                n = min(len(buffer), len(data))
+                buffer[:n] = data[:n]
+            self.buffer_updated(n)
+            data = data[n:]
+
+    def get_buffer(self) -> memoryview:
+        """Where the next bytes received go (at least one byte of room)."""
+        if self._body is not None and self._filled < len(self._body):
+            return memoryview(self._body)[self._filled :]
+        if self._start == self._end:
+            self._start = self._end = 0
+        if len(self._scratch) - self._end < self.ROOM:  # make room: move what waits to the front, or grow
+            waiting = self._end - self._start
+            size = max(len(self._scratch), waiting + self.ROOM)
+            scratch = self._scratch if size == len(self._scratch) else bytearray(2 * size)
+            scratch[:waiting] = self._scratch[self._start : self._end]
+            self._scratch, self._start, self._end = scratch, 0, waiting
+        return memoryview(self._scratch)[self._end :]
+
+    def buffer_updated(self, n: int) -> None:
+        """`n` bytes were written at the start of the last `get_buffer()`."""
+        if self._body is not None and self._filled < len(self._body):
+            self._filled += n
+        else:
+            self._end += n
 
     def next_message(self) -> Received | None:
         """The next complete message, or None until more bytes arrive. Each frame's length is checked
@@ -169,42 +203,40 @@ class Decoder:
         if self.error is not None:
             raise self.error
         try:
-            if self._need is None:
-                if self._size < HEADER.size:
+            if self._body is not None:
+                if self._filled < len(self._body):
                     return None
-                (length,) = HEADER.unpack(self._take(HEADER.size))
+                body, self._body, self._need = self._body, None, None
+                return Received(decode_body(body, self.max_frame, self.limits), HEADER.size + len(body), body)
+            if self._need is None:
+                if self._end - self._start < HEADER.size:
+                    return None
+                (length,) = HEADER.unpack_from(self._scratch, self._start)
+                self._start += HEADER.size
                 if length == 0:
                     raise ProtocolError("bad_frame", "zero-length frame")
                 if length > self.max_frame:
                     raise ProtocolError("too_large", f"frame of {length} bytes exceeds {self.max_frame}")
                 self._need = length
-            if self._size < self._need:
+            waiting = self._end - self._start
+            if waiting < self._need:
+                if self._need > self.DIRECT:  # read the rest of this frame straight into its own buffer
+                    self._body = bytearray(self._need)
+                    self._body[:waiting] = self._scratch[self._start : self._end]
+                    self._filled, self._start, self._end = waiting, 0, 0
                 return None
-            body = self._take(self._need)
+            body = bytes(self._scratch[self._start : self._start + self._need])
+            self._start += self._need
             self._need = None
             return Received(decode_body(body, self.max_frame, self.limits), HEADER.size + len(body), body)
         except ProtocolError as exc:
             self.error = exc
             raise
 
-    def _take(self, n: int) -> bytes:
-        """The first n buffered bytes (n <= what is buffered), out of the buffer: one copy at most."""
-        taken: list[bytes | memoryview] = []
-        while n:
-            piece = self._pieces[0]
-            if len(piece) <= n:
-                taken.append(self._pieces.popleft())
-            else:
-                view = memoryview(piece)
-                taken.append(view[:n])
-                self._pieces[0] = view[n:]
-            n -= len(taken[-1])
-            self._size -= len(taken[-1])
-        if len(taken) == 1 and isinstance(taken[0], bytes):
-            return taken[0]
-        return b"".join(taken)
-
     @property
     def buffered(self) -> int:
         """Bytes held that do not yet form a complete frame (0 between frames)."""
-        return self._size + (HEADER.size if self._need is not None else 0)
+        header = HEADER.size if self._need is not None else 0
+        if self._body is not None:
+            return header + self._filled
+        return header + self._end - self._start

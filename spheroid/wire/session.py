@@ -1,8 +1,9 @@
 """The protocol's conversation, sans I/O: a `Session` is fed bytes and says what happened.
 
 In the manner of h11's `Connection`: nothing here touches a socket. The layer around it writes
-`data_to_send()` to the peer, feeds what it reads to `receive_data()` and acts on the events that
-come back. The session runs the handshake (hellos, then proofs when the swarm has a secret),
+`data_to_send()` to the peer, feeds what it reads to `receive_data()` (or reads into
+`get_buffer()` and calls `buffer_updated()`, so that large frames are read into place) and acts on
+the events that come back. The session runs the handshake (hellos, then proofs when the swarm has a secret),
 refuses anything else before it is done, checks every message it sends against the schema,
 reassembles tensor streams within a budget shared by the whole process, and hands each message
 that names streams over with their tensors attached.
@@ -163,9 +164,24 @@ class Session:
         """
         if self.error is not None:
             raise self.error
-        if self.state is State.CLOSED:
-            return []
-        self._decoder.receive(data)
+        if self.state is not State.CLOSED:
+            self._decoder.receive(data)
+        return self._events()
+
+    def get_buffer(self) -> memoryview:
+        """Where a socket read should put the next bytes from the peer (then call `buffer_updated`):
+        a large frame's bytes go straight into place, without the copy `receive_data` makes."""
+        return self._decoder.get_buffer()
+
+    def buffer_updated(self, n: int) -> list[Event]:
+        """`n` bytes were read into the last `get_buffer()`; the events they complete, as `receive_data`."""
+        if self.error is not None:
+            raise self.error
+        if self.state is not State.CLOSED:
+            self._decoder.buffer_updated(n)
+        return self._events()
+
+    def _events(self) -> list[Event]:
         events: list[Event] = []
         try:
             while self.state is not State.CLOSED and (received := self._decoder.next_message()) is not None:

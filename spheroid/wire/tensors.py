@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 
 import lz4.block
@@ -108,16 +109,49 @@ def bin_header(n: int) -> bytes:
     return b"\xc6" + n.to_bytes(4, "big")
 
 
-def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
-    """Extension payload -> tensor, or ProtocolError naming what is wrong with it."""
+HEAD_BYTES = 256  # a tensor header's fields before `data` fit in this (8 dimensions of 9 bytes each at most)
+BIN_LENGTH = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack's bin markers -> bytes of the length after them
+
+
+def _fields(payload: bytes) -> list:
+    """The payload's seven fields, `data` as a view of the payload: a chunk's data is most of its
+    frame, and msgpack would copy it (the frame's own bytes were already copied out of the frame)."""
+    view = memoryview(payload)
+    head = msgpack.Unpacker(max_array_len=16, max_map_len=0, max_str_len=16, max_bin_len=0)
+    head.feed(view[:HEAD_BYTES])
     try:
-        fields = msgpack.unpackb(payload, max_array_len=16, max_map_len=0, max_str_len=16)
+        if head.read_array_header() != 7:
+            raise ValueError("not 7 fields")
+        fields = [head.unpack() for _ in range(4)]
     except Exception as exc:
-        raise ProtocolError("bad_tensor", f"tensor header is not msgpack: {exc}") from None
-    if not isinstance(fields, list) or len(fields) != 7:
-        raise ProtocolError("bad_tensor", "tensor header must be [dtype, shape, codec, compression, data, "
-                                          "scales, block]")
-    dtype, shape, codec, compression, data, scales, block = fields
+        raise ProtocolError("bad_tensor", "tensor header must be [dtype, shape, codec, compression, data, scales, "
+                                          f"block] ({exc or 'cut short'})") from None
+    at = head.tell()
+    marker = payload[at] if at < len(payload) else None
+    if marker not in BIN_LENGTH:
+        raise ProtocolError("bad_tensor", "tensor data must be bin")
+    start = at + 1 + BIN_LENGTH[marker]
+    end = start + int.from_bytes(view[at + 1 : start], "big")
+    if end > len(payload):
+        raise ProtocolError("bad_tensor", "tensor data runs past its payload")
+    tail = msgpack.Unpacker(max_array_len=0, max_map_len=0, max_str_len=0, max_bin_len=len(payload))
+    tail.feed(view[end:])
+    try:
+        scales, block = tail.unpack(), tail.unpack()
+    except Exception as exc:
+        raise ProtocolError("bad_tensor", f"tensor scales and block are not msgpack: {exc or 'cut short'}") from None
+    if tail.tell() != len(payload) - end:
+        raise ProtocolError("bad_tensor", "bytes after the tensor's block field")
+    return [*fields, view[start:end], scales, block]
+
+
+def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+    """Extension payload -> tensor, or ProtocolError naming what is wrong with it.
+
+    A raw tensor shares the payload's memory (decoding copies nothing; a stream's chunk is copied
+    once, into its place in the stream's tensor): clone it to write to it.
+    """
+    dtype, shape, codec, compression, data, scales, block = _fields(payload)
     if dtype not in DTYPES:
         raise ProtocolError("bad_tensor", f"unknown dtype {dtype!r}")
     if codec not in CODECS or compression not in COMPRESSIONS:
@@ -127,8 +161,8 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
     if (not isinstance(shape, list) or len(shape) > limits.max_dims
             or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
         raise ProtocolError("bad_tensor", f"shape must be at most {limits.max_dims} non-negative integers")
-    if not isinstance(data, bytes) or not isinstance(scales, bytes) or not isinstance(block, int):
-        raise ProtocolError("bad_tensor", "data and scales must be bin, block an integer")
+    if not isinstance(scales, bytes) or not isinstance(block, int):
+        raise ProtocolError("bad_tensor", "scales must be bin, block an integer")
     if codec not in QUANTIZED and (scales or block):
         raise ProtocolError("bad_tensor", f"codec {codec} carries no scales: scales must be empty and block 0")
     numel = math.prod(shape)
@@ -192,9 +226,12 @@ def as_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().numpy().tobytes()
 
 
-def from_bytes(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+def from_bytes(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over `data`'s memory, not a copy of it (a received payload: nothing else holds it)."""
     if not data:
         return torch.empty(0, dtype=dtype)
-    if dtype == torch.bfloat16:
-        return torch.frombuffer(bytearray(data), dtype=torch.int16).view(torch.bfloat16)
-    return torch.frombuffer(bytearray(data), dtype=dtype)
+    with warnings.catch_warnings():  # (torch warns once that bytes are not writable)
+        warnings.simplefilter("ignore", UserWarning)
+        if dtype == torch.bfloat16:
+            return torch.frombuffer(data, dtype=torch.int16).view(torch.bfloat16)
+        return torch.frombuffer(data, dtype=dtype)
