@@ -460,28 +460,28 @@ class Replica:
 
     def close(self) -> Closed:
         """Assemble the averaged ranges, apply the outer step, move to the next round's shared state."""
-        average = torch.empty_like(self.state.params)  # (every range is written below: one pass over it)
+        params = torch.empty_like(self.state.params)  # (every range is written below: one pass over it)
+        momentum = None if self.cfg.outer == "average" else torch.empty_like(params)
         carry = None
         contributors: set[str] | None = None
         samples = []
         for owner, (lo, hi) in self.ranges.items():
             got = self.reduced.get(owner)
-            average[lo:hi] = got.delta if got is not None else 0.0
+            self.outer_step(got.delta if got is not None else None, lo, hi, params, momentum)
             names = set(got.contributors.names(self.group)) if got is not None else set()
             if got is not None:
                 samples.append(got.samples)
                 contributors = names if contributors is None else contributors & names
             if got is None or self.me not in names:  # not averaged: stays this replica's progress
-                carry = torch.zeros_like(average) if carry is None else carry
+                carry = torch.zeros_like(params) if carry is None else carry
                 carry[lo:hi] = self.own[lo:hi]
             elif self.cfg.feedback and self.cfg.lossy:  # averaged as its owner decoded it: carry the rest
-                carry = torch.zeros_like(average) if carry is None else carry
+                carry = torch.zeros_like(params) if carry is None else carry
                 own = self.own[lo:hi]
                 carry[lo:hi] = own - (self.parts[owner].delta if owner == self.me else self.wire(own.contiguous()))
         missing = set(self.ranges) - set(self.reduced)  # their owners are not in step with this replica
         self.counters.missing += len(missing)
         used = sorted((contributors or set()) - missing)
-        params, momentum = self.outer_step(average)
         added = 0 if missing else min(samples)
         self.state = SharedState.create(self.round + 1, self.state.version.samples + added, params, momentum)
         self.counters.rounds += 1
@@ -491,14 +491,21 @@ class Replica:
         self._start_round()
         return Closed(self.state, used, rejected, carry, len(missing), ready_at)
 
-    def outer_step(self, average: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """New parameters from the averaged update: plain averaging, or Nesterov momentum on it."""
-        base = self.state.params
+    def outer_step(self, average: torch.Tensor | None, lo: int, hi: int, params: torch.Tensor,
+                   momentum: torch.Tensor | None) -> None:
+        """Range lo:hi of the new parameters (and outer momentum) from the averaged update there
+        (None: it did not arrive, so no update): plain averaging, or Nesterov momentum on it. Range by
+        range, as the ranges are assembled: one pass over the vector, and no vector of the average."""
+        base = self.state.params[lo:hi]
+        if average is None:
+            average = torch.zeros_like(base)
         if self.cfg.outer == "average":
-            return average.add_(base), None  # (in place: `average` is this round's own buffer)
-        momentum = self.state.momentum if self.state.momentum is not None else torch.zeros_like(base)
-        momentum = self.cfg.outer_momentum * momentum + average
-        return base + self.cfg.outer_lr * (average + self.cfg.outer_momentum * momentum), momentum
+            torch.add(base, average, out=params[lo:hi])
+            return
+        old = self.state.momentum[lo:hi] if self.state.momentum is not None else torch.zeros_like(base)
+        mu = self.cfg.outer_momentum
+        torch.add(mu * old, average, out=momentum[lo:hi])
+        torch.add(base, self.cfg.outer_lr * (average + mu * momentum[lo:hi]), out=params[lo:hi])
 
     def _norm_outliers(self, parts: dict[str, Part]) -> dict[str, str]:
         """Parts whose norm is more than max_norm_ratio away from the median norm (its own too: an owner

@@ -168,8 +168,7 @@ class Connection(asyncio.BufferedProtocol):
             if self._gone is not None or self.transport.is_closing():
                 raise PeerGone(f"connection to {self.label} is closed")
             try:
-                for piece in pieces:
-                    self.transport.write(piece)
+                self.transport.writelines(pieces)  # (uvloop: one writev for the frame's pieces)
                 async with asyncio.timeout(self.timeout):
                     await self._writable.wait()
             except (TimeoutError, OSError) as exc:
