@@ -129,6 +129,53 @@ def test_large_tensor_streams_in_bounded_chunks(codec):
         assert (back - t).abs().max() <= INT8_ERROR * t.abs().max() * 1.001
 
 
+def test_a_chunk_decodes_alike_in_place_and_through_msgpack_in_any_layout():
+    """A chunk as spheroid lays it out is decoded from the frame's bytes; the same chunk with its
+    entries in another order goes through msgpack; both give the same message, and a bad tensor in
+    either is refused with the same error."""
+    t = torch.randn(70_000)
+    [_, out] = stream_frames(t, 3, lambda: 9)
+    body = out.frame[4:]
+    message = msgpack.unpackb(body, ext_hook=lambda code, data: msgpack.ExtType(code, data))
+    rest = {k: v for k, v in message.items() if k != "data"}
+    reordered = msgpack.packb({"data": message["data"], **rest})
+    for frame_body in (body, bytearray(body), reordered):
+        got = decode_body(frame_body)
+        assert {k: v for k, v in got.items() if k != "data"} == rest == {"t": "stream_chunk", "id": 9, "stream": 3,
+                                                                         "seq": 0}
+        assert torch.equal(got["data"], t)
+    fields = msgpack.unpackb(message["data"].data)
+    wrong = msgpack.ExtType(1, msgpack.packb([fields[0], [70_001], *fields[2:]]))  # one value more than its data
+    for bad in (msgpack.packb({**message, "data": wrong}), msgpack.packb({"data": wrong, **rest})):
+        with pytest.raises(ProtocolError, match="needs 280004 bytes, got 280000"):
+            decode_body(bad)
+
+
+def test_reading_into_the_decoders_buffer_gives_the_same_messages_as_feeding_it():
+    """Large frames are read straight into a buffer of their own, small ones into a scratch buffer;
+    any split of the byte stream between reads gives the same messages."""
+    ids = itertools.count()
+    frames = b"".join(out.frame for out in stream_frames(torch.randn(300_000), 1, lambda: next(ids),
+                                                          chunk_bytes=1 << 18))
+    frames += encode({"t": "ping", "id": 99, "ts": 1.5}) * 3
+    expected = [m for m, *_ in Decoder().feed(frames)]
+    rng = random.Random(0)
+    for _ in range(5):
+        decoder, got, pos = Decoder(), [], 0
+        while pos < len(frames):
+            with decoder.get_buffer() as buffer:
+                n = min(len(buffer), rng.choice([1, 7, 4096, 1 << 16, 1 << 20]), len(frames) - pos)
+                buffer[:n] = frames[pos : pos + n]
+            decoder.buffer_updated(n)
+            pos += n
+            while (received := decoder.next_message()) is not None:
+                got.append(received.message)
+        assert len(got) == len(expected) == 1 + 5 + 3 and decoder.buffered == 0
+        for a, b in zip(got, expected, strict=True):
+            assert a.keys() == b.keys() and all(
+                torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
 def test_stream_over_budget_or_out_of_order_is_refused():
     ids = itertools.count()
     frames = [out.frame for out in stream_frames(torch.zeros(1000), 1, lambda: next(ids), chunk_bytes=1024)]

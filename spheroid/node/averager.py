@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from ..averaging import CODECS, Closed, Contributors, Part, Reduced, Replica
-from ..wire import messages
+from ..wire import Encoded, encode_stream, messages
 from .connection import Connection, PeerGone
 from .node import Node
 
@@ -46,8 +46,7 @@ class Averager:
                 return None
             now = time.monotonic()
             if self.replica.can_reduce(now):
-                mine = self.replica.reduce()
-                self.sends += [self.node.spawn(self._send(peer, mine)) for peer in self.replica.targets()]
+                self.sends.append(self.node.spawn(self._broadcast(self.replica.reduce(), self.replica.targets())))
             gone = {p for p in self.replica.ranges if p != self.node.id and not self.connected(p)}
             if self.replica.can_close(now, gone):
                 return self.replica.close()
@@ -62,13 +61,21 @@ class Averager:
         conn = self.node.conns.get(peer)
         return conn is not None and not conn.closed
 
-    async def _send(self, peer: str, what: Part | Reduced) -> None:
-        """A part of this node's update to the owner of its range, or this node's averaged range to a peer."""
+    async def _broadcast(self, mine: Reduced, peers: list[str]) -> None:
+        """This node's averaged range to each of `peers`, encoded once for all of them."""
+        raw = self.codec == "raw" and self.compression == "none"  # (encoding only copies: no thread)
+        encoded = (encode_stream(mine.delta) if raw else
+                   await asyncio.to_thread(encode_stream, mine.delta, self.codec, self.compression))
+        await asyncio.gather(*(self._send(peer, mine, encoded) for peer in peers))
+
+    async def _send(self, peer: str, what: Part | Reduced, encoded: Encoded | None = None) -> None:
+        """A part of this node's update to the owner of its range, or this node's averaged range to a
+        peer (`encoded`: its delta, already encoded)."""
         conn = self.node.conns.get(peer)
         if conn is None:
             return  # gone: its range is missing this round, or it will miss this one
         with contextlib.suppress(PeerGone):
-            stream = await conn.send_tensor(what.delta, self.codec, self.compression)
+            stream = await conn.send_tensor(what.delta if encoded is None else encoded, self.codec, self.compression)
             fields = {"block": self.block, "round": what.round, "base": what.base, "samples": what.samples,
                       "lo": what.lo, "hi": what.hi, "stream": stream}
             if isinstance(what, Part):

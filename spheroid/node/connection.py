@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from ..wire import ProtocolError, stream_frames
+from ..wire import Encoded, ProtocolError, stream_frames
 from ..wire.messages import Error, Hello, Message
 from ..wire.session import Arrived, Frame, Opened, Refused, Session
 from .accounting import Traffic
@@ -178,16 +178,17 @@ class Connection(asyncio.BufferedProtocol):
                 raise self._gone
         self.traffic.count("sent", self.label, kind, sum(len(p) for p in pieces), raw)
 
-    async def send_tensor(self, tensor: torch.Tensor, codec: str = "raw", compression: str = "none") -> int:
+    async def send_tensor(self, tensor: torch.Tensor | Encoded, codec: str = "raw", compression: str = "none") -> int:
         """Stream a tensor in chunk frames; returns the stream id to reference in a later message.
 
         Each chunk is encoded (cast, quantised, compressed) in a worker thread, so the event loop
         keeps serving other peers while a large tensor goes out; raw chunks, which encoding only
-        copies, are encoded in place (a thread's hand-off per chunk cost more than the copy).
+        copies, are encoded in place (a thread's hand-off per chunk cost more than the copy), and
+        so are the chunks of a tensor already `Encoded`.
         """
         stream = next(self._streams)
         frames = stream_frames(tensor, stream, self.next_id, codec, compression)
-        inline = codec == "raw" and compression == "none"
+        inline = isinstance(tensor, Encoded) or (codec == "raw" and compression == "none")
         while (out := next(frames, None) if inline else await asyncio.to_thread(next, frames, None)) is not None:
             await self._write(out.pieces, out.kind, out.raw)
         return stream

@@ -6,11 +6,11 @@ Imports neither asyncio nor the model; proto/PROTOCOL.md is the language-neutral
 from .codec import MAX_FRAME, Decoder, EncodedTensor, Received, decode_body, encode
 from .errors import ProtocolError
 from .messages import SCHEMAS, VERSION, validate
-from .streams import StreamAssembler, stream_frames, through_codec
+from .streams import Encoded, StreamAssembler, encode_stream, stream_frames, through_codec
 from .tensors import decode_tensor, encode_tensor, encode_tensor_pieces
 
 __all__ = [
-    "MAX_FRAME", "SCHEMAS", "VERSION", "Decoder", "EncodedTensor", "ProtocolError", "Received", "StreamAssembler",
-    "decode_body", "decode_tensor", "encode", "encode_tensor", "encode_tensor_pieces", "stream_frames", "through_codec",
-    "validate",
+    "MAX_FRAME", "SCHEMAS", "VERSION", "Decoder", "Encoded", "EncodedTensor", "ProtocolError", "Received",
+    "StreamAssembler", "decode_body", "decode_tensor", "encode", "encode_stream", "encode_tensor",
+    "encode_tensor_pieces", "stream_frames", "through_codec", "validate",
 ]

@@ -17,7 +17,7 @@ import torch
 
 from .errors import ProtocolError
 from .messages import validate
-from .tensors import DEFAULT_LIMITS, EXT_TENSOR, Limits, decode_tensor, encode_tensor
+from .tensors import DEFAULT_LIMITS, EXT_TENSOR, HEAD_BYTES, Limits, decode_tensor, encode_tensor
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 4 << 20  # 4 MiB: a stream chunk (up to 1 MiB of tensor data) fits with room to spare
@@ -92,8 +92,11 @@ def ext_header(code: int, n: int) -> bytes:
     return b"\xc9" + n.to_bytes(4, "big") + bytes([code])
 
 
-def decode_body(body: bytes, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS) -> dict:
+def decode_body(body: bytes | bytearray, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS) -> dict:
     """One frame body -> a validated message."""
+    message = _stream_chunk(body, limits) if len(body) > HEAD_BYTES else None
+    if message is not None:
+        return validate(message)
 
     def ext_hook(code: int, data: bytes) -> Any:
         if code != EXT_TENSOR:
@@ -115,6 +118,40 @@ def decode_body(body: bytes, max_frame: int = MAX_FRAME, limits: Limits = DEFAUL
     except (ValueError, TypeError, msgpack.exceptions.UnpackException) as exc:
         raise ProtocolError("bad_msgpack", f"frame body is not valid msgpack within limits: {exc}") from None
     return validate(message)
+
+
+FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}  # msgpack's fixext markers -> data bytes
+EXT_LENGTH = {0xC7: 1, 0xC8: 2, 0xC9: 4}  # ext 8/16/32 markers -> bytes of the length after them
+
+
+def _stream_chunk(body: bytes | bytearray, limits: Limits) -> dict | None:
+    """A stream chunk laid out as spheroid writes it (a map whose last entry is `data`, the tensor),
+    its tensor decoded from the frame's own bytes: msgpack would copy them first, and they are
+    nearly the whole frame. None for any other frame (decoded by msgpack, as any chunk may be)."""
+    view = memoryview(body)
+    head = msgpack.Unpacker(raw=False, strict_map_key=True, max_str_len=MAX_STR, max_bin_len=0, max_array_len=0,
+                            max_map_len=16, max_ext_len=0)
+    head.feed(view[:HEAD_BYTES])
+    try:
+        entries = head.read_map_header()
+        message = {head.unpack(): head.unpack() for _ in range(entries - 1)}
+        last = head.unpack()
+    except Exception:  # (not this layout, or not msgpack: the general decoding says which)
+        return None
+    if message.get("t") != "stream_chunk" or last != "data" or (at := head.tell()) >= len(body):
+        return None
+    marker = body[at]
+    if marker in FIXEXT:
+        size, start = FIXEXT[marker], at + 2
+    elif marker in EXT_LENGTH:
+        start = at + 2 + EXT_LENGTH[marker]
+        size = int.from_bytes(view[at + 1 : start - 1], "big")
+    else:
+        return None
+    if body[start - 1] != EXT_TENSOR or start + size != len(body):
+        return None
+    message["data"] = decode_tensor(view[start:], limits)
+    return message
 
 
 class Received(NamedTuple):

@@ -34,24 +34,55 @@ class Outgoing(NamedTuple):
         return b"".join(self.pieces)
 
 
+class Encoded(NamedTuple):
+    """A tensor encoded once for a stream, to be sent to several peers (each stream's frames differ
+    only in their ids): an owner sends its averaged range to every member of its group."""
+
+    dtype: str
+    shape: list[int]
+    chunk_elems: int
+    chunks: list[tuple[EncodedTensor, int]]  # each chunk's payload, and its bytes before the codec
+
+
+def encode_stream(tensor: torch.Tensor, codec: str = "raw", compression: str = "none",
+                  chunk_bytes: int = CHUNK_BYTES) -> Encoded:
+    """Every chunk of `tensor` encoded now (a few milliseconds per MiB for a lossy codec: run it off
+    the event loop)."""
+    flat, chunk_elems, _ = _layout(tensor, chunk_bytes)
+    return Encoded(DTYPE_NAMES[flat.dtype], list(tensor.shape), chunk_elems,
+                   list(_chunks(flat, chunk_elems, codec, compression)))
+
+
+def _chunks(flat: torch.Tensor, chunk_elems: int, codec: str,
+            compression: str) -> Iterator[tuple[EncodedTensor, int]]:
+    for lo in range(0, flat.numel(), chunk_elems):
+        piece = flat[lo : lo + chunk_elems]
+        yield EncodedTensor(encode_tensor_pieces(piece, codec, compression)), piece.numel() * piece.element_size()
+
+
 def stream_frames(
-    tensor: torch.Tensor, stream: int, next_id: Callable[[], int], codec: str = "raw",
+    tensor: torch.Tensor | Encoded, stream: int, next_id: Callable[[], int], codec: str = "raw",
     compression: str = "none", chunk_bytes: int = CHUNK_BYTES,
 ) -> Iterator[Outgoing]:
     """Frames that carry `tensor` as stream `stream`: a stream_begin, then the chunks in order.
 
-    Lazy: each chunk is encoded when the iterator reaches it, so a caller can run `next()` in a
-    worker thread and keep the event loop free.
+    Lazy: each chunk of a tensor is encoded when the iterator reaches it, so a caller can run
+    `next()` in a worker thread and keep the event loop free. An `Encoded` tensor carries its own
+    codec and chunking (`codec`, `compression` and `chunk_bytes` are then unused).
     """
-    flat, chunk_elems, chunks = _layout(tensor, chunk_bytes)
-    begin = encode(StreamBegin(id=next_id(), stream=stream, dtype=DTYPE_NAMES[flat.dtype], shape=list(tensor.shape),
-                               chunks=chunks, chunk_elems=chunk_elems).to_wire())
+    if isinstance(tensor, Encoded):
+        dtype, shape, chunk_elems, chunks = tensor.dtype, tensor.shape, tensor.chunk_elems, tensor.chunks
+        count = len(chunks)
+    else:
+        flat, chunk_elems, count = _layout(tensor, chunk_bytes)
+        chunks = _chunks(flat, chunk_elems, codec, compression)
+        dtype, shape = DTYPE_NAMES[flat.dtype], list(tensor.shape)
+    begin = encode(StreamBegin(id=next_id(), stream=stream, dtype=dtype, shape=shape, chunks=count,
+                               chunk_elems=chunk_elems).to_wire())
     yield Outgoing("stream_begin", [begin], len(begin))
-    for seq in range(chunks):
-        piece = flat[seq * chunk_elems : (seq + 1) * chunk_elems]
-        data = EncodedTensor(encode_tensor_pieces(piece, codec, compression))  # encoded here, off the event loop
+    for seq, (data, raw) in enumerate(chunks):  # (a tensor's chunks are encoded here, off the event loop)
         frame = encode_pieces(StreamChunk(id=next_id(), stream=stream, seq=seq, data=data).to_wire())
-        yield Outgoing("stream_chunk", frame, piece.numel() * piece.element_size())
+        yield Outgoing("stream_chunk", frame, raw)
 
 
 def _layout(tensor: torch.Tensor, chunk_bytes: int) -> tuple[torch.Tensor, int, int]:
