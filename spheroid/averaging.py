@@ -224,6 +224,7 @@ class Part:
     lo: int
     hi: int
     delta: torch.Tensor  # (hi - lo,) float32, as decoded from the wire
+    norm: float | None = None  # delta's norm, once checked (the outlier check at reducing time reuses it)
 
 
 @dataclass
@@ -373,8 +374,11 @@ class Replica:
             return f"range {m.lo}:{m.hi} outside the block's {self.n_params} values"
         if m.samples < 1:
             return "no samples behind it"
-        if not math.isfinite(float(m.delta.sum())):  # (one pass; finite values big enough to overflow fail too)
+        norm = float(m.delta.norm())  # (one pass; finite values big enough to overflow fail too)
+        if not math.isfinite(norm):
             return "NaN, Inf or overflowing values in it"
+        if isinstance(m, Part):
+            m.norm = norm
         if m.round < self.round:
             return "late" if m.round == self.round - 1 else "stale round"
         if m.round > self.round + 1:
@@ -513,7 +517,7 @@ class Replica:
         majority, and this replica trusts its own."""
         if len(parts) < 2:
             return {}
-        norms = {s: float(u.delta.norm()) for s, u in parts.items()}
+        norms = {s: float(u.delta.norm()) if u.norm is None else u.norm for s, u in parts.items()}
         two = len(norms) == 2
         ref = norms[self.me] if two else statistics.median(norms.values())
         ratio, out = self.cfg.max_norm_ratio, {}

@@ -51,7 +51,8 @@ class Averager:
             if self.replica.can_close(now, gone):
                 return self.replica.close()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), max(0.01, self.replica.deadline() - now))
+                async with asyncio.timeout(max(0.01, self.replica.deadline() - now)):
+                    await self.changed.wait()
 
     async def flush(self) -> None:
         """Wait for this node's last sends (so that a final update is not overtaken)."""

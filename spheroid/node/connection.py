@@ -200,7 +200,8 @@ class Connection(asyncio.BufferedProtocol):
         self._pending[message.id] = future
         try:
             await self.send(message)
-            reply = await asyncio.wait_for(future, timeout or self.timeout)
+            async with asyncio.timeout(timeout or self.timeout):
+                reply = await future
         except TimeoutError:
             raise PeerGone(f"{self.label} did not answer {message.t} within {timeout or self.timeout}s") from None
         finally:
