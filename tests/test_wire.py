@@ -12,6 +12,7 @@ import torch
 from proto.make_vectors import from_json
 from spheroid.wire import (
     SCHEMAS,
+    Budget,
     Decoder,
     ProtocolError,
     StreamAssembler,
@@ -174,6 +175,25 @@ def test_reading_into_the_decoders_buffer_gives_the_same_messages_as_feeding_it(
         for a, b in zip(got, expected, strict=True):
             assert a.keys() == b.keys() and all(
                 torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def test_a_large_frames_own_buffer_comes_out_of_the_budget_and_goes_back():
+    """A large frame's body buffer is reserved from the process's budget once its header is in, and
+    returned when the frame is decoded or dropped; without room in the budget the frame still
+    arrives, through the scratch buffer."""
+    ids = itertools.count()
+    [_, chunk] = [out.frame for out in stream_frames(torch.randn(100_000), 1, lambda: next(ids))]
+    for limit, reserved in ((1 << 20, len(chunk) - 4), (1 << 10, 0)):
+        budget = Budget(limit)
+        decoder = Decoder(budget=budget)
+        decoder.receive(chunk[:1000])
+        assert decoder.next_message() is None and budget.held == reserved
+        decoder.receive(chunk[1000:])
+        assert decoder.next_message().message["t"] == "stream_chunk" and budget.held == 0
+        decoder.receive(chunk[:1000])
+        decoder.next_message()
+        decoder.clear()
+        assert budget.held == 0 and decoder.buffered == 0
 
 
 def test_stream_over_budget_or_out_of_order_is_refused():

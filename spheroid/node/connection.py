@@ -283,7 +283,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         self.closed = True
-        self.session.streams.clear()
+        self.session.clear()
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(PeerGone(f"connection to {self.label} closed"))

@@ -32,6 +32,7 @@ from pathlib import Path
 from ..checkpoint import atomic_write
 from ..config import NodeConfig, parse_addr
 from ..wire import VERSION, ProtocolError, encode
+from ..wire.codec import Budget
 from ..wire.messages import (
     MAX_PEER_ENTRIES,
     Bye,
@@ -47,7 +48,6 @@ from ..wire.messages import (
     validate_peer,
 )
 from ..wire.session import Session, is_node_id
-from ..wire.streams import Budget
 from .accounting import Traffic
 from .connection import Connection, PeerGone, dial, listen
 from .identity import Identity

@@ -160,15 +160,34 @@ class Received(NamedTuple):
     body: bytes | bytearray  # the frame's body as received (a handshake binds the hellos' exact bytes)
 
 
+class Budget:
+    """Bytes of incoming streams and large frames one process may hold, shared by all its
+    connections' assemblers and decoders: what many peers together can make a node allocate is
+    bounded, not just what each one can."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def reserve(self, nbytes: int) -> bool:
+        if self.held + nbytes > self.limit:
+            return False
+        self.held += nbytes
+        return True
+
+    def release(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
 class Decoder:
     """Give it bytes as they arrive; it returns the complete messages, or raises ProtocolError.
 
     Bytes come in two ways: `receive(data)` copies them in, and `get_buffer()` then
     `buffer_updated(n)` let a socket read write straight into the decoder's memory (asyncio's
     BufferedProtocol). Small frames collect in a scratch buffer; once a frame's header says it is
-    larger than `DIRECT` bytes, its body gets a buffer of its own and the rest of it is read into
-    place, so the bytes of a stream chunk are copied by the kernel and then only where msgpack and
-    the stream's tensor need them.
+    larger than `DIRECT` bytes, its body gets a buffer of its own (within the process's `budget`,
+    or the frame waits in the scratch buffer as it arrives) and the rest of it is read into place:
+    the bytes of a stream chunk are copied by the kernel, then once, into the stream's tensor.
 
     Messages that were complete before a bad frame are returned first, in order; the error is then
     in `error` and raised by the next call. After an error the decoder is dead: the connection must
@@ -178,9 +197,11 @@ class Decoder:
     ROOM = 1 << 15  # the least room a read is offered in the scratch buffer (allocated at the first read)
     DIRECT = 1 << 16  # frames with a larger body are read into a buffer of their own
 
-    def __init__(self, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(self, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS,
+                 budget: Budget | None = None) -> None:
         self.max_frame = max_frame
         self.limits = limits
+        self.budget = budget  # a large frame's own buffer is taken from it (or it waits in the scratch buffer)
         self._scratch = bytearray()  # (it grows beyond 2 ROOM only while complete frames wait in it)
         self._start = self._end = 0  # the scratch's bytes [start, end) are received and not yet taken
         self._body: bytearray | None = None  # a large frame's body, read into place
@@ -244,6 +265,7 @@ class Decoder:
                 if self._filled < len(self._body):
                     return None
                 body, self._body, self._need = self._body, None, None
+                self._release(len(body))
                 return Received(decode_body(body, self.max_frame, self.limits), HEADER.size + len(body), body)
             if self._need is None:
                 if self._end - self._start < HEADER.size:
@@ -257,8 +279,8 @@ class Decoder:
                 self._need = length
             waiting = self._end - self._start
             if waiting < self._need:
-                if self._need > self.DIRECT:  # read the rest of this frame straight into its own buffer
-                    self._body = bytearray(self._need)
+                if self._need > self.DIRECT and (self.budget is None or self.budget.reserve(self._need)):
+                    self._body = bytearray(self._need)  # the rest of this frame is read straight into it
                     self._body[:waiting] = self._scratch[self._start : self._end]
                     self._filled, self._start, self._end = waiting, 0, 0
                 return None
@@ -269,6 +291,16 @@ class Decoder:
         except ProtocolError as exc:
             self.error = exc
             raise
+
+    def clear(self) -> None:
+        """Drop what is buffered (the connection ended), returning a large frame's buffer to the budget."""
+        if self._body is not None:
+            self._release(len(self._body))
+        self._body, self._need, self._scratch, self._start, self._end = None, None, bytearray(), 0, 0
+
+    def _release(self, nbytes: int) -> None:
+        if self.budget is not None:
+            self.budget.release(nbytes)
 
     @property
     def buffered(self) -> int:

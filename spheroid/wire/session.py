@@ -25,10 +25,10 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from .codec import MAX_FRAME, Decoder, encode
+from .codec import MAX_FRAME, Budget, Decoder, encode
 from .errors import ProtocolError
 from .messages import STREAM_FIELDS, VERSION, Auth, Error, Hello, Message, from_wire, validate
-from .streams import Budget, StreamAssembler
+from .streams import StreamAssembler
 
 NODE_ID = re.compile(r"[0-9a-f]{32}")  # a node id: 32 lowercase hex digits
 HANDSHAKE_MAX_FRAME = 64 << 10  # a peer that has not finished the handshake cannot make us buffer more
@@ -115,7 +115,7 @@ class Session:
         self.state = State.HELLO
         self.peer: Hello | None = None  # the peer's hello, once received
         self.streams = StreamAssembler(budget)
-        self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME)
+        self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME, budget=self.streams.budget)
         self._ids = itertools.count(1)
         self._out = bytearray()
         self.error: ProtocolError | None = None  # what ended the session, once it is raised
@@ -147,6 +147,12 @@ class Session:
         except ProtocolError as exc:  # our own bug, not the peer's: say so
             raise ValueError(f"refusing to send an invalid message: {exc.message}") from None
         return encode(wire)
+
+    def clear(self) -> None:
+        """Drop every stream and frame not yet complete (the connection ended): their bytes return to
+        the budget."""
+        self.streams.clear()
+        self._decoder.clear()
 
     def refuse(self, error: ProtocolError) -> bytes:
         """The error frame that tells the peer why we close; the session is closed."""

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .codec import EncodedTensor, encode, encode_pieces
+from .codec import Budget, EncodedTensor, encode, encode_pieces
 from .errors import ProtocolError
 from .messages import StreamBegin, StreamChunk
 from .tensors import DEFAULT_LIMITS, DTYPE_NAMES, DTYPES, Limits, decode_tensor, encode_tensor, encode_tensor_pieces
@@ -108,24 +108,6 @@ class _Partial:
     def __init__(self, out: torch.Tensor, shape: list[int], chunks: int, chunk_elems: int) -> None:
         self.out, self.shape, self.chunks, self.chunk_elems = out, shape, chunks, chunk_elems
         self.next_seq = 0
-
-
-class Budget:
-    """Bytes of incoming streams one process may hold, shared by all its connections' assemblers:
-    what many peers together can make a node allocate is bounded, not just what each one can."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
-
-    def reserve(self, nbytes: int) -> bool:
-        if self.held + nbytes > self.limit:
-            return False
-        self.held += nbytes
-        return True
-
-    def release(self, nbytes: int) -> None:
-        self.held -= nbytes
 
 
 class StreamAssembler:
