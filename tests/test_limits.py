@@ -12,7 +12,7 @@ import torch
 
 from spheroid.config import NodeConfig
 from spheroid.node.accounting import Traffic
-from spheroid.node.connection import Connection, dial
+from spheroid.node.connection import Connection, PeerSilent, dial
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node, QuietLog, open_session
 from spheroid.wire import encode, stream_frames
@@ -209,3 +209,44 @@ def test_repetitive_log_lines_are_rate_limited(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["forgetting peer 0", "forgetting peer 1", "forgetting peer 2",
                      lines[3], "forgetting peer 100"] and "97 more forget lines" in lines[3]
+
+
+def test_a_large_frame_arriving_slowly_is_not_silence_but_no_bytes_are():
+    """A connection times out a peer that sends nothing for its timeout, not one whose large frame
+    takes longer than that to arrive (it is read into place as it comes)."""
+
+    async def scenario() -> tuple[float, str, float]:
+        ours, theirs = socket.socketpair()
+        me = {"addr": "127.0.0.1:1", "role": "worker", "blocks": [], "boot": b"12345678"}
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.connect_accepted_socket(
+            lambda: Connection(Traffic(), open_session({**me, "node": "ab" * 16}, NodeConfig(), None, False, 1 << 24),
+                               timeout=1.0), ours)
+        peer = open_session({**me, "node": "cd" * 16}, NodeConfig(), None, True, 1 << 24)
+        theirs.setblocking(False)
+        await loop.sock_sendall(theirs, peer.data_to_send())
+        await conn.open()
+        peer.receive_data(await loop.sock_recv(theirs, 1 << 16))
+        ids = itertools.count(100)
+        frames = b"".join(out.frame for out in stream_frames(torch.randn(1 << 18), 7, lambda: next(ids)))
+        frames += peer.send(Peers())  # (a message after the stream: what recv returns)
+        start = time.monotonic()
+        for at in range(0, len(frames), len(frames) // 25 + 1):  # 1 MiB over 2.5 s, 0.1 s apart
+            await loop.sock_sendall(theirs, frames[at : at + len(frames) // 25 + 1])
+            await asyncio.sleep(0.1)
+        got = await conn.recv()
+        slow = time.monotonic() - start
+        start = time.monotonic()
+        try:
+            await conn.recv()
+            silent = "no"
+        except PeerSilent as exc:
+            silent = str(exc)
+        waited = time.monotonic() - start
+        await conn.close()
+        theirs.close()
+        return slow, f"{got.t}; silent: {silent}", waited
+
+    slow, what, waited = asyncio.run(scenario())
+    assert slow > 2.0 and what == f"peers; silent: {'cd' * 16} sent nothing for 1.0s"
+    assert 0.9 < waited < 5.0
