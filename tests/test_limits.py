@@ -12,7 +12,7 @@ import torch
 
 from spheroid.config import NodeConfig
 from spheroid.node.accounting import Traffic
-from spheroid.node.connection import Connection, PeerSilent, dial
+from spheroid.node.connection import Connection, PeerRefused, PeerSilent, dial, listen
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node, QuietLog, open_session
 from spheroid.wire import encode, stream_frames
@@ -250,3 +250,34 @@ def test_a_large_frame_arriving_slowly_is_not_silence_but_no_bytes_are():
     slow, what, waited = asyncio.run(scenario())
     assert slow > 2.0 and what == f"peers; silent: {'cd' * 16} sent nothing for 1.0s"
     assert 0.9 < waited < 5.0
+
+
+def test_a_refusal_that_arrives_with_the_close_is_still_read_as_a_refusal():
+    """A busy node writes its refusal and closes at once; a client that starts its handshake only
+    after both arrived still learns it was refused as busy (and so retries), not merely that the
+    connection closed."""
+
+    async def scenario() -> str:
+        cfg = NodeConfig()
+
+        def refuse(conn: Connection) -> None:
+            conn.transport.write(encode({"t": "error", "id": 1, "code": "busy", "message": "try again later"}))
+            conn.transport.close()
+
+        me = {"addr": "", "role": "client", "blocks": [], "boot": b"12345678"}
+        server = await listen("127.0.0.1", 0, lambda: Connection(
+            Traffic(), open_session({**me, "node": "ab" * 16}, cfg, None, False, 1 << 20), opened=refuse))
+        port = server.sockets[0].getsockname()[1]
+        conn = await dial("127.0.0.1", port, Traffic(), open_session({**me, "node": "cd" * 16}, cfg, None, True,
+                                                                      1 << 20), 10.0)
+        await asyncio.sleep(0.3)  # the refusal and the close are both in before the handshake starts
+        try:
+            await conn.open()
+            return "opened"
+        except PeerRefused as exc:
+            return exc.code
+        finally:
+            await conn.close()
+            server.close()
+
+    assert asyncio.run(scenario()) == "busy"

@@ -234,6 +234,15 @@ MALFORMED = {
         1, msgpack.packb(["float32", [1 << 20, 1 << 20], "raw", "none", b"", b"", 0]))})), "too_large"),
     "lz4 bomb": (frame(msgpack.packb({"t": "peers", "id": 1, "x": msgpack.ExtType(
         1, msgpack.packb(["float32", [4], "raw", "lz4", b"\xff" * 40, b"", 0]))})), "bad_tensor"),
+    "a block that would pad the tensor out": (frame(msgpack.packb({"t": "peers", "id": 1, "x": msgpack.ExtType(
+        1, msgpack.packb(["float32", [1], "int8", "none", b"\x01", b"\0" * 4, 1 << 25]))})), "bad_tensor"),
+    # stream chunks as spheroid lays them out (decoded from the frame's own bytes): the same errors
+    "chunk with a list for its dtype": (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
+        "data": msgpack.ExtType(1, msgpack.packb([[1], [100], "raw", "none", b"\0" * 400, b"", 0]))})),
+        "bad_tensor"),
+    "chunk cut at its extension's marker": (frame(
+        b"\x85" + b"".join(map(msgpack.packb, ["t", "stream_chunk", "id", 1, "stream", 1, "x", "a" * 219, "data"]))
+        + b"\xc9"), "bad_msgpack"),
 }
 
 

@@ -72,6 +72,7 @@ class Connection(asyncio.BufferedProtocol):
         self._wakeup: asyncio.Future | None = None  # what `_events` waits on
         self._heard = 0.0  # loop time the peer last sent bytes
         self._gone: PeerGone | None = None  # why the socket ended, once it has
+        self._eof: PeerGone | None = None  # set once the peer has said it sends nothing more
         self._lost = asyncio.get_running_loop().create_future()  # done when the socket is closed
         self._writable = asyncio.Event()  # clear while the transport's write buffer is full
         self._writable.set()
@@ -89,9 +90,13 @@ class Connection(asyncio.BufferedProtocol):
             self._opened(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.closed:  # (a TLS transport may still deliver bytes while it shuts down: they are dropped)
+            return memoryview(bytearray(1 << 12))
         return self.session.get_buffer()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.closed:
+            return
         self._heard = asyncio.get_running_loop().time()
         try:
             self._events_in += self.session.buffer_updated(nbytes)
@@ -107,7 +112,10 @@ class Connection(asyncio.BufferedProtocol):
             self.transport.pause_reading()
 
     def eof_received(self) -> bool:
-        return False  # (the transport closes itself: connection_lost follows)
+        """The peer will send nothing more; it may still read (TLS cannot: its transport closes)."""
+        self._eof = PeerGone(f"{self.label} closed the connection")
+        self._wake()
+        return self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._gone = PeerGone(f"{self.label} closed the connection" if exc is None
@@ -130,7 +138,8 @@ class Connection(asyncio.BufferedProtocol):
     async def open(self) -> Hello:
         """Run the handshake; the peer's hello. ProtocolError if the peer breaks a rule (answer it with
         `refuse`), PeerGone if it refused us, went away or went silent."""
-        await self._flush("hello")
+        with contextlib.suppress(PeerGone):  # (a peer that refused us may be gone: its error is read below)
+            await self._flush("hello")
         while not self.hello:
             for event in await self._events(self.timeout):
                 if isinstance(event, Refused):
@@ -229,8 +238,8 @@ class Connection(asyncio.BufferedProtocol):
         while not self._events_in:
             if self.session.error is not None:  # what came before the bad frame has been handled
                 raise self.session.error
-            if self._gone is not None:
-                raise self._gone
+            if self._gone is not None or self._eof is not None:
+                raise self._gone or self._eof
             deadline = max(since, self._heard) + timeout
             if loop.time() >= deadline:
                 raise PeerSilent(f"{self.label} sent nothing for {timeout}s")

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 CLIENTS = "clients"  # the one accounting label of all client connections (status, assemble, ...)
 DIALS_AT_ONCE = 16  # dials to learned peers in flight at once
+# bytes of large frames read into buffers of their own, all connections together (beyond it, a
+# frame waits in its connection's scratch buffer as its bytes arrive)
+FRAMES_IN_FLIGHT = 64 << 20
 
 
 @dataclass
@@ -112,9 +115,10 @@ def tune_allocator() -> None:
     libc.mallopt(m_trim_threshold, 128 << 20)
 
 
-def open_session(me: dict, cfg: NodeConfig, secret: bytes | None, dialler: bool, budget: Budget | int) -> Session:
+def open_session(me: dict, cfg: NodeConfig, secret: bytes | None, dialler: bool, budget: Budget | int,
+                 frames: Budget | None = None) -> Session:
     """The session of one connection, as this node (or client) speaks it."""
-    return Session(me, dialler=dialler, swarm=cfg.swarm, secret=secret, budget=budget)
+    return Session(me, dialler=dialler, swarm=cfg.swarm, secret=secret, budget=budget, frames=frames)
 
 
 def ssl_contexts(cfg: NodeConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
@@ -144,6 +148,7 @@ class Node:
         self.known: dict[str, PeerInfo] = {}  # at most cfg.max_known
         self.clients: set[Connection] = set()
         self.budget = Budget(cfg.recv_budget)  # incoming streams of all connections together
+        self.frames = Budget(FRAMES_IN_FLIGHT)  # large frames being read into place, all connections together
         self.unauthenticated: collections.Counter[str] = collections.Counter()  # handshakes in progress by host
         self.quiet = QuietLog(log)
         self.started = time.monotonic()
@@ -245,7 +250,7 @@ class Node:
     def _session(self, dialler: bool) -> Session:
         me = {"node": self.id, "addr": self.cfg.address, "role": self.cfg.role, "blocks": list(self.cfg.blocks),
               "serves": list(self.cfg.serves), "model": self.serving_model, "boot": self.boot}
-        return open_session(me, self.cfg, self.secret, dialler, self.budget)
+        return open_session(me, self.cfg, self.secret, dialler, self.budget, self.frames)
 
     async def dial(self, addr: str) -> Connection | None:
         """Connect to addr and run the handshake; None (and a log line) if that fails."""

@@ -148,7 +148,7 @@ def _stream_chunk(body: bytes | bytearray, limits: Limits) -> dict | None:
         size = int.from_bytes(view[at + 1 : start - 1], "big")
     else:
         return None
-    if body[start - 1] != EXT_TENSOR or start + size != len(body):
+    if start + size != len(body) or body[start - 1] != EXT_TENSOR:
         return None
     message["data"] = decode_tensor(view[start:], limits)
     return message
@@ -195,6 +195,7 @@ class Decoder:
     """
 
     ROOM = 1 << 15  # the least room a read is offered in the scratch buffer (allocated at the first read)
+    READ = 1 << 16  # the most a read is offered there (what one read can make into messages is bounded)
     DIRECT = 1 << 16  # frames with a larger body are read into a buffer of their own
 
     def __init__(self, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS,
@@ -202,7 +203,7 @@ class Decoder:
         self.max_frame = max_frame
         self.limits = limits
         self.budget = budget  # a large frame's own buffer is taken from it (or it waits in the scratch buffer)
-        self._scratch = bytearray()  # (it grows beyond 2 ROOM only while complete frames wait in it)
+        self._scratch = bytearray()  # (it grows while a frame larger than it waits in it, and shrinks after)
         self._start = self._end = 0  # the scratch's bytes [start, end) are received and not yet taken
         self._body: bytearray | None = None  # a large frame's body, read into place
         self._filled = 0  # bytes of `_body` received
@@ -239,13 +240,15 @@ class Decoder:
             return memoryview(self._body)[self._filled :]
         if self._start == self._end:
             self._start = self._end = 0
+            if len(self._scratch) > 2 * self.READ:  # (a frame that waited here is gone: give its memory back)
+                self._scratch = bytearray()
         if len(self._scratch) - self._end < self.ROOM:  # make room: move what waits to the front, or grow
             waiting = self._end - self._start
             size = max(len(self._scratch), waiting + self.ROOM)
             scratch = self._scratch if size == len(self._scratch) else bytearray(2 * size)
             scratch[:waiting] = self._scratch[self._start : self._end]
             self._scratch, self._start, self._end = scratch, 0, waiting
-        return memoryview(self._scratch)[self._end :]
+        return memoryview(self._scratch)[self._end : self._end + self.READ]
 
     def buffer_updated(self, n: int) -> None:
         """`n` bytes were written at the start of the last `get_buffer()`."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from .messages import STREAM_FIELDS, VERSION, Auth, Error, Hello, Message, from_
 from .streams import StreamAssembler
 
 NODE_ID = re.compile(r"[0-9a-f]{32}")  # a node id: 32 lowercase hex digits
+log = logging.getLogger(__name__)
 HANDSHAKE_MAX_FRAME = 64 << 10  # a peer that has not finished the handshake cannot make us buffer more
 NONCE_BYTES = 16
 LABEL = b"spheroid-handshake-v2"
@@ -107,7 +109,7 @@ class Session:
     and optionally serves and model); `dialler`: whether this side opened the connection."""
 
     def __init__(self, me: dict, *, dialler: bool, swarm: str, secret: bytes | None,
-                 budget: int | Budget = 1 << 30) -> None:
+                 budget: int | Budget = 1 << 30, frames: Budget | None = None) -> None:
         self.dialler = dialler
         self.swarm = swarm
         self.secret = secret
@@ -115,7 +117,8 @@ class Session:
         self.state = State.HELLO
         self.peer: Hello | None = None  # the peer's hello, once received
         self.streams = StreamAssembler(budget)
-        self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME, budget=self.streams.budget)
+        # (`frames`: the process's bytes of large frames being read into buffers of their own)
+        self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME, budget=frames)
         self._ids = itertools.count(1)
         self._out = bytearray()
         self.error: ProtocolError | None = None  # what ended the session, once it is raised
@@ -151,6 +154,7 @@ class Session:
     def clear(self) -> None:
         """Drop every stream and frame not yet complete (the connection ended): their bytes return to
         the budget."""
+        self.state = State.CLOSED
         self.streams.clear()
         self._decoder.clear()
 
@@ -196,6 +200,11 @@ class Session:
             self.error = exc
             if not events:
                 raise
+        except Exception as exc:  # a check this code lacks: still the peer's bytes, not a reason to crash
+            log.exception("a frame from the peer could not be handled")
+            self.error = ProtocolError("bad_frame", f"the frame could not be decoded: {exc!r}")
+            if not events:
+                raise self.error from None
         return events
 
     def _handle(self, message: dict, size: int, body: bytes) -> list[Event]:

@@ -152,6 +152,8 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
     once, into its place in the stream's tensor): clone it to write to it.
     """
     dtype, shape, codec, compression, data, scales, block = _fields(payload)
+    if not all(isinstance(f, str) for f in (dtype, codec, compression)):
+        raise ProtocolError("bad_tensor", "dtype, codec and compression must be strings")
     if dtype not in DTYPES:
         raise ProtocolError("bad_tensor", f"unknown dtype {dtype!r}")
     if codec not in CODECS or compression not in COMPRESSIONS:
@@ -181,9 +183,11 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
     elif codec in ("fp16", "bf16"):
         flat = from_bytes(data, torch.float16 if codec == "fp16" else torch.bfloat16).to(DTYPES[dtype])
     else:
-        n_scales = -(-numel // block) if block > 0 else -1
-        if block <= 0 or len(scales) != 4 * n_scales:
-            raise ProtocolError("bad_tensor", f"{codec} needs block > 0 and {max(n_scales, 0)} float32 scales")
+        most = max(numel, INT8_BLOCK)  # (decoding pads to whole blocks: a huge block would allocate it)
+        n_scales = -(-numel // block) if 0 < block <= most else -1
+        if n_scales < 0 or len(scales) != 4 * n_scales:
+            raise ProtocolError("bad_tensor", f"{codec} needs 0 < block <= {most} and "
+                                              f"{max(n_scales, 0)} float32 scales")
         q = from_bytes(data, torch.int8) if codec == "int8" else unpack_int4(from_bytes(data, torch.uint8), numel)
         flat = dequantize(q, from_bytes(scales, torch.float32), block).to(DTYPES[dtype])
     return flat.view(shape)
