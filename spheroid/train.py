@@ -227,6 +227,14 @@ def load_resume(out: Path, name: str, model: torch.nn.Module, opt: torch.optim.O
     return entry.state
 
 
+def logged_step(line: str) -> float:
+    """The step of a line of a loss history; infinity for a line a killed run left half-written."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def clear_run(out: Path, name: str) -> None:
     """Forget a trainer's resumable state and loss history in `out` (--fresh)."""
     for suffix in (".resume.json", ".resume.safetensors", ".history.jsonl"):
@@ -288,6 +296,9 @@ def fit(
     out.mkdir(parents=True, exist_ok=True)
     if not first:
         history.write_text("")
+    elif history.exists():  # steps logged after the state resumed from are trained again: their lines go
+        kept = [line for line in history.read_text().splitlines() if logged_step(line) <= first]
+        checkpoint.atomic_write(history, "".join(line + "\n" for line in kept).encode())
     started = time.monotonic()
     last_log, last_step = started, first
 
