@@ -2,7 +2,7 @@
 
 For each N in --procs it runs N processes twice, on 127.0.0.1, with the same tensors:
 
-  spheroid  each process is a real node (TCP, the v3 handshake, msgpack frames, the wire codec)
+  spheroid  each process is a real node (TCP, the handshake, msgpack frames, the wire codec)
             holding one replica of a block of --params float32 values; the nodes form a full mesh,
             then run rounds of spheroid/node/averager.py: reduce-scatter of the updates' parts to
             their owners, the owners' averages back to everyone, the outer step, the state's hash
