@@ -30,8 +30,8 @@ import logging
 import statistics
 import sys
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -56,6 +56,7 @@ class Config:
     churn: float = 0.10  # of the nodes, leaving (and as many joining) per simulated minute
     stragglers: float = 0.05  # nodes 5x slower
     gossip_s: float = 3.0  # until a joiner has heard its block's members
+    links: int = 8  # same-block peers a node connects to when it starts (and is connected to by later ones)
     minutes: float = 6.0
     partition: tuple[float, float] = (120.0, 180.0)  # seconds: every block split in two halves
     settle_s: float = 60.0  # after the last round starts: no training, versions settle
@@ -75,7 +76,9 @@ class Member:
     token: int = 0  # of its current training run
     fetching: bool = False  # a state transfer to it is under way (a node runs one at a time)
     first_member_round: float | None = None
-    sent: dict[int, list] = field(default_factory=dict)  # round -> [bytes, peers]
+    sent: dict[int, list] = field(default_factory=dict)  # round -> [bytes, peers] of its averaging messages
+    talked: dict[int, set] = field(default_factory=dict)  # round -> every peer it sent anything to
+    links: set[str] = field(default_factory=set)  # its standing connections to same-block peers
 
 
 class Swarm:
@@ -97,6 +100,8 @@ class Swarm:
         self.fetches = 0
         for i in range(cfg.nodes):
             self._add(i % cfg.blocks, genesis=True)
+        for m in list(self.members.values()):
+            self.link(m)
         for b in range(cfg.blocks):  # they start together from one genesis state and say so
             group = self.block_members(b)
             for m in group:
@@ -139,6 +144,13 @@ class Swarm:
     def block_members(self, block: int) -> list[Member]:
         return [m for m in self.members.values() if m.alive and m.block == block]
 
+    def link(self, m: Member) -> None:
+        """Connect a node to `links` random live peers of its block (both ways, as connections are)."""
+        others = [p for p in self.block_members(m.block) if p is not m and p.name not in m.links]
+        for i in torch.randperm(len(others), generator=self.rng)[: self.cfg.links].tolist():
+            m.links.add(others[i].name)
+            others[i].links.add(m.name)
+
     def reachable(self, a: Member, b: Member) -> bool:
         return a.alive and b.alive and (not self.partitioned or a.side == b.side)
 
@@ -151,6 +163,7 @@ class Swarm:
             gone = live[i]
             gone.alive = False
             joiner = self._add(gone.block, genesis=False)
+            self.link(joiner)
             self.at(self.cfg.gossip_s, self.join, joiner)
 
     def join(self, m: Member) -> None:
@@ -163,7 +176,7 @@ class Swarm:
 
     def split(self, on: bool) -> None:
         self.partitioned = on
-        if not on:  # healed: everyone re-announces to the other side (reconnection)
+        if not on:  # healed: the connections across come back, and versions are exchanged on them
             for m in self.members.values():
                 if m.alive:
                     self.announce(m)
@@ -181,6 +194,7 @@ class Swarm:
             sent[1].add(dst_name)
         else:
             self.other_bytes += size
+        src.talked.setdefault(src.replica.round, set()).add(dst_name)
         self.at(self.cfg.latency_s + size * 8 / (self.cfg.mbit * 1e6), fn, dst, *args)
 
     def train(self, m: Member) -> None:
@@ -193,36 +207,36 @@ class Swarm:
         if not m.alive or m.token != token:
             return
         m.local += torch.randn(self.cfg.params, generator=self.rng) * 0.01
-        parts = m.replica.submit(m.local - m.replica.state.params, 16, self.now)
-        if m.replica.range is not None and m.first_member_round is None:
+        for out in m.replica.submit(m.local - m.replica.state.params, 16, self.now):
+            self.send(m, out.to[0], out.message.delta.numel() * 4 + 64, self.deliver, out.message)
+        if m.name in m.replica.group and m.first_member_round is None:
             m.first_member_round = self.now
-        for owner, part in parts.items():
-            self.send(m, owner, part.delta.numel() * 4 + 64, self.deliver, part)
-        self.at(self.cfg.wait_s / 2, self.try_close, m)
-        self.at(self.cfg.wait_s, self.try_close, m)
+        for stage in (1, 2, 3):  # (the replica's stages: averaging its rows' parts, its cells, closing)
+            self.at(self.cfg.wait_s * stage / 3, self.try_close, m)
+        self.at(self.cfg.wait_s / 2, self.try_close, m)  # (the first stage of a group in one row)
 
     def deliver(self, m: Member, message: Part | Reduced) -> None:
         if m.alive:
-            m.replica.offer(message)
+            m.replica.offer(message, self.now)
             self.try_close(m)
 
     def try_close(self, m: Member) -> None:
         r = m.replica
         if not m.alive or r.ready_at is None:
             return
-        if r.can_reduce(self.now):
-            mine = r.reduce()
-            who = mine.contributors  # (a bitmap over the group, and the ids of the others)
-            size = mine.delta.numel() * 4 + 80 + len(who.bits) + 34 * len(who.others)
-            for peer in r.targets():
-                self.send(m, peer, size, self.deliver, mine)
-        gone = {p for p in r.ranges if p not in self.members or not self.members[p].alive}
+        for out in r.due(self.now):
+            who = out.message.contributors  # (a bitmap over the group, and the ids of the others)
+            size = out.message.delta.numel() * 4 + 80 + len(who.bits) + 34 * len(who.others)
+            message = replace(out.message, sender=m.name)  # (a cell passed on comes from its passer)
+            for peer in out.to:
+                self.send(m, peer, size, self.deliver, message)
+        gone = {p for p in r.group if p not in self.members or not self.members[p].alive}
         if not r.can_close(self.now, gone):
             return
         ready, group = r.ready_at, tuple(r.group)
         closed = r.close()
         self.closes.append({"block": m.block, "round": closed.state.version.round - 1, "node": m.name, "group": group,
-                            "waited": self.now - ready, "missing": closed.missing,
+                            "waited": self.now - ready, "missing": closed.missing, "at": self.now,
                             "hash": closed.state.version.hash, "contributors": len(closed.contributors)})
         m.local = closed.state.params + (0 if closed.carry is None else closed.carry)
         self.announce(m)
@@ -230,10 +244,12 @@ class Swarm:
             self.train(m)
 
     def announce(self, m: Member) -> None:
+        """A node's version to its standing connections and to the peers it averaged with in its last
+        round (its row and column). Versions spread from peer to peer: a node that fetches a
+        preferred version announces it in turn."""
         version, synced = m.replica.state.version, m.replica.synced
-        for peer in self.block_members(m.block):
-            if peer is not m:
-                self.send(m, peer.name, 120, self.heard, m.name, version, synced, averaging=False)
+        for peer in sorted(m.links | (m.sent[max(m.sent)][1] if m.sent else set())):
+            self.send(m, peer, 120, self.heard, m.name, version, synced, averaging=False)
 
     def heard(self, m: Member, sender: str, version: Version, synced: bool) -> None:
         if m.alive:
@@ -264,7 +280,8 @@ class Swarm:
         holder = self.members[pick_donor(m.name, [h.name for h in holders])]
         state = holder.replica.state
         size = state.params.numel() * 4
-        self.send(holder, m.name, size, self.fetched, SharedState(state.version, state.params.clone()),
+        self.send(holder, m.name, size + 34 * len(holder.replica.expected), self.fetched,
+                  SharedState(state.version, state.params.clone(), members=tuple(holder.replica.members())),
                   averaging=False)
         self.fetches += 1
         m.fetching = True
@@ -284,13 +301,18 @@ class Swarm:
 
     def report(self, wall_s: float) -> dict:
         cfg = self.cfg
-        by_round = defaultdict(set)
+        same_cells = defaultdict(set)  # (block, round, group, cells missing) -> hashes: one each, or a bug
+        rounds = defaultdict(list)  # (block, round) -> its closes while the swarm trains
         for c in self.closes:
-            if c["missing"] == 0:  # the same round of the same group, every range received
-                by_round[c["block"], c["round"], c["group"]].add(c["hash"])
+            same_cells[c["block"], c["round"], c["group"], c["missing"]].add(c["hash"])
+            if c["at"] <= self.stop_at:
+                rounds[c["block"], c["round"]].append(c)
+        main_group = [max(Counter(c["group"] for c in cs).items(), key=lambda kv: kv[1])[0] for cs in rounds.values()]
+        on_main = [max(Counter(c["hash"] for c in cs).values()) / len(cs) for cs in rounds.values() if len(cs) > 1]
         joiners = [m for m in self.members.values() if m.joined > 0]
         caught = [m.first_member_round - m.joined for m in joiners if m.first_member_round is not None]
         per_round = [(b, len(peers)) for m in self.members.values() for b, peers in m.sent.values()]
+        talked = sorted(len(peers) for m in self.members.values() for peers in m.talked.values())
         finals = {b: len({m.replica.state.version.hash for m in self.block_members(b)}) for b in range(cfg.blocks)}
         waited = [c["waited"] for c in self.closes]
         return {
@@ -298,8 +320,14 @@ class Swarm:
             "rounds_closed": len(self.closes),
             "closed_by_deadline": sum(w <= cfg.wait_s + 1e-9 for w in waited) / max(1, len(waited)),
             "waited_s_max": max(waited, default=0.0),
-            "rounds_with_missing_range": sum(c["missing"] > 0 for c in self.closes) / max(1, len(self.closes)),
-            "complete_rounds_agreeing": sum(len(h) == 1 for h in by_round.values()) / max(1, len(by_round)),
+            "rounds_with_missing_cells": sum(bool(c["missing"]) for c in self.closes) / max(1, len(self.closes)),
+            # replicas that closed a round of one group with the same cells: one state each time
+            "same_cells_same_state": sum(len(h) == 1 for h in same_cells.values()) / max(1, len(same_cells)),
+            # of the replicas closing a round (while the swarm trains), the share that reached its
+            # most common state, and the size of the group most of them laid out
+            "closers_on_the_main_state": {"mean": statistics.mean(on_main), "min": min(on_main)},
+            "main_group_size": {"median": statistics.median(len(g) for g in main_group),
+                                "min": min(len(g) for g in main_group)},
             "joiners": len(joiners),
             "joiners_became_members": len(caught),
             "joiner_s_to_first_member_round": {"median": statistics.median(caught) if caught else None,
@@ -311,6 +339,9 @@ class Swarm:
             "version_and_state_bytes_per_node_minute": self.other_bytes / cfg.nodes / (self.now / 60.0),
             "peers_per_node_round": {"mean": statistics.mean(p for _, p in per_round),
                                      "max": max(p for _, p in per_round)},
+            # with versions and state transfers: the connections a node uses in a round
+            "all_peers_per_node_round": {"mean": statistics.mean(talked), "p99": talked[int(0.99 * len(talked))],
+                                         "max": talked[-1]},
             "replicas_per_block": cfg.nodes // cfg.blocks,
             "distinct_states_per_block_at_end": finals,
             "wall_s": wall_s,

@@ -67,7 +67,7 @@ def tensor_json(values, shape, dtype="float32", codec="raw", compression="none",
 
 
 VALID = {
-    "hello": {"t": "hello", "id": 1, "version": 5, "swarm": "spheroid", "node": "0f" * 16,
+    "hello": {"t": "hello", "id": 1, "version": 6, "swarm": "spheroid", "node": "0f" * 16,
               "addr": "10.0.0.1:7400", "role": "worker", "blocks": [2], "nonce": {"$bin": "a5" * 16},
               "auth": True, "boot": {"$bin": "01" * 8}},
     "auth": {"t": "auth", "id": 2, "mac": {"$bin": "5c" * 32}},
@@ -112,13 +112,14 @@ VALID = {
     "version": {"t": "version", "id": 21, "block": 2, "round": 7, "samples": 1792, "hash": "ab" * 32,
                 "synced": True},
     "update": {"t": "update", "id": 22, "block": 2, "round": 7, "base": "ab" * 32, "samples": 256, "lo": 0,
-               "hi": 4096, "stream": 5},
+               "hi": 4096, "age": 0.0, "stream": 5},
     "reduced": {"t": "reduced", "id": 37, "block": 2, "round": 7, "base": "ab" * 32, "samples": 512, "lo": 4096,
                 "hi": 8192, "group": {"$bin": group_digest(["0f" * 16, "1e" * 16, "2d" * 16]).hex()},
-                "members": {"$bin": "05"}, "others": ["3c" * 16], "stream": 7},  # 0f.. and 2d.. of the group, and 3c..
+                "members": {"$bin": "05"}, "others": ["3c" * 16], "age": 1.25, "stream": 7},  # 0f.., 2d.. and 3c..
     "state_get": {"t": "state_get", "id": 23, "block": 2},
     "state_reply": {"t": "state_reply", "id": 24, "re": 23, "block": 2, "round": 7, "samples": 1792,
-                    "hash": "ab" * 32, "stream": 6, "config": {"model": {"d_model": 32}}},
+                    "hash": "ab" * 32, "stream": 6, "config": {"model": {"d_model": 32}},
+                    "members": ["0f" * 16, "1e" * 16]},
     "generate": {"t": "generate", "id": 25, "prompt": {"$bin": "54686520"}, "n_bytes": 64, "mode": "sweep", "k": 64,
                  "temperature": 0.8, "seed": 1, "route": []},
     "gen_bytes": {"t": "gen_bytes", "id": 26, "re": 25, "data": {"$bin": "746f776572"}},

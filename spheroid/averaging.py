@@ -17,27 +17,36 @@ as one flat vector, the outer momentum when the outer step has one, and a `Versi
      next shared starting point.
 
 So a node sends 2 (n - 1) / n of the vector per round whatever the number n of replicas, where
-sending the whole update to every peer costs n - 1 vectors. Replicas that received the same
-`Reduced` ranges compute bit-identical states: each range was averaged once, by its owner, and
-passed through the wire codec before anyone, its owner too, used it.
+sending the whole update to every peer costs n - 1 vectors. A group larger than
+`AveragingConfig.flat` does the same in two levels (`Layout`): in rows of about sqrt(n) members
+and then in columns, at `wait / 3` and `2 wait / 3`, so that a member exchanges with about
+2 sqrt(n) peers, not n - 1, and still sends about two vectors. Replicas that received the same
+cells compute bit-identical states: each cell was averaged once, by its owner, and passed through
+the wire codec before anyone, its owner too, used it (in two levels twice, since the column owners
+who pass a cell on to their rows send it as they decoded it).
 
-A range that did not arrive by the deadline (its owner died or straggled) is not averaged this
-round: the shared state keeps that range as it was, and each replica carries its own part of it
-over as local progress (`Closed.carry`), as it does for a range whose owner left its part out (it
-came late, or was refused). No local work is lost; it goes into the next round's update. With `feedback`
-(error feedback, for the lossy codecs) a replica also carries what the codec lost of its parts
-(its update minus what their owners decoded), and an owner adds what the codec lost of its last
-average of a range to its next average of that range: rounding errors are sent later, not dropped.
-A round with a missing range counts no samples (`Version.samples` adds the least any range averaged), so
-the version rule below makes such replicas adopt a complete state when one exists.
+A cell that did not arrive by the deadline (its owner, or the column owner passing it on, died or
+straggled) is not averaged this round: the shared state keeps it as it was, and each replica
+carries its own part of it over as local progress (`Closed.carry`), as it does for a cell its part
+was left out of (it came late, or was refused). No local work is lost; it goes into the next
+round's update. With `feedback` (error feedback, for the lossy codecs) a replica also carries what
+the codec lost of its parts (its update minus what their owners decoded), and an owner adds what
+the codec lost of its last average of a cell to its next average of that cell: rounding errors are
+sent later, not dropped. A round counts the samples behind each cell weighted by its size, a
+missing cell none, so the version rule below makes replicas that missed cells adopt a state that
+has them when one exists.
 
 Who is waited for: the group is the replica and the peers in step with it: those whose parts went
-into every range of its previous round, which everyone who closed that round with the same ranges
-computes alike (or that announced its version as members). A replica is a member of its next group
-only if its own parts went into every range, so it and its peers agree on the group without
-depending on when announcements arrive. A replica that fetched its state (a joiner, a restart) is
-not a member: it sends its parts to the members' ranges and owns none, so nobody waits for it; once
-its parts are in every range it is a contributor, in step, and a member from the next round on.
+into at least half of the values of its previous round (owners of cells that did not arrive aside),
+which everyone who closed that round with the same cells computes alike (or that announced its
+version as members). A replica is a member of its next group only if its own parts did, so it and
+its peers agree on the group without depending on when announcements arrive; half, not all, so
+that a column lost with its owner does not drop the rest of that owner's row. A replica that
+fetched its state (a joiner, a restart) is not a member: it sends its parts to the members' ranges
+and owns none, so nobody waits for it; once its parts are in, it is a contributor, in step, and a
+member from the next round on. A column owner that dies also takes with it the cells it would
+have passed on to its row; the owners of those cells notice its row's average missing and send
+their cells to that row themselves.
 
 When replicas diverge anyway (a late range, a restart), they announce their `Version` and one rule
 settles which state the swarm keeps: a later round wins, then the state that averaged more samples,
@@ -55,7 +64,7 @@ import logging
 import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -77,6 +86,7 @@ class AveragingConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     max_norm_ratio: float = 10.0  # an update whose norm is this far from its peers' is rejected
+    flat: int = 16  # groups up to this size average in one row; larger ones in rows and columns (`Layout`)
     # error feedback (lossy codecs): what the codec lost of this replica's parts, and of the ranges
     # it averaged, is added to what it sends next round, so no progress is lost to rounding
     feedback: bool = False
@@ -90,8 +100,8 @@ class AveragingConfig:
             raise ValueError(f"codec must be one of {sorted(CODECS)}, got {self.codec!r}")
         if self.outer not in OUTER_STEPS:
             raise ValueError(f"outer must be one of {OUTER_STEPS}, got {self.outer!r}")
-        if self.every < 1 or self.wait <= 0 or self.max_norm_ratio <= 1:
-            raise ValueError("need every >= 1, wait > 0 and max_norm_ratio > 1")
+        if self.every < 1 or self.wait <= 0 or self.max_norm_ratio <= 1 or self.flat < 1:
+            raise ValueError("need every >= 1, wait > 0, max_norm_ratio > 1 and flat >= 1")
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,8 @@ class SharedState:
     version: Version
     params: torch.Tensor  # (P,) float32: the block's parameters, flattened in state-dict order
     momentum: torch.Tensor | None = None  # (P,) the outer momentum ("nesterov" only)
+    # with a fetched state: the group of the round that starts from it, as the holder knew it
+    members: tuple[str, ...] | None = None
 
     @classmethod
     def create(cls, round_: int, samples: int, params: torch.Tensor, momentum: torch.Tensor | None) -> SharedState:
@@ -150,17 +162,71 @@ class SharedState:
         return cls(version, flat[:n_params].clone(), momentum)
 
 
-def partition(n_params: int, group: list[str]) -> dict[str, tuple[int, int]]:
-    """Each member's range [lo, hi) of the flat vector: contiguous, in the group's sorted order,
-    sizes differing by at most one. Every replica with the same group computes the same ranges."""
-    members = sorted(group)
-    size, extra = divmod(n_params, len(members))
-    ranges, lo = {}, 0
-    for i, member in enumerate(members):
-        hi = lo + size + (i < extra)
-        ranges[member] = (lo, hi)
-        lo = hi
-    return ranges
+def split(lo: int, hi: int, k: int) -> list[tuple[int, int]]:
+    """[lo, hi) cut into k contiguous ranges whose sizes differ by at most one, the longer first."""
+    size, extra = divmod(hi - lo, k)
+    out = []
+    for i in range(k):
+        out.append((lo, lo + size + (i < extra)))
+        lo = out[-1][1]
+    return out
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who averages which values in a round: the sorted group laid out in rows.
+
+    The vector is cut into g column ranges, g the length of the shortest row, and each column
+    range into one cell per row (R of them). In its row, the member at position c owns column c
+    (a longer row's last member owns none): its row's parts of that range come to it
+    (reduce-scatter in the row). It averages them and sends the average's cell for row r to column
+    c's owner in row r, which averages the rows' averages of that cell (reduce-scatter in the
+    column) and sends the result to its column and its row; each column owner passes the cells of
+    its column it receives on to its row (all-gather). So a member exchanges with its row and its
+    column, about 2 sqrt(n) peers, and sends at most 2 (1 + 1 / g) vectors a round (2 (1 - 1 / n)
+    when the rows are equal). A group of up to `AveragingConfig.flat` members is one row: each
+    member owns one range, and every other member sends it its part of it.
+    """
+
+    rows: tuple[tuple[str, ...], ...]
+    columns: tuple[tuple[int, int], ...]  # column c's range of the vector
+    cells: tuple[tuple[tuple[int, int], ...], ...]  # cells[c][r]: column c's cell for row r
+    where: dict[str, int]  # member -> its row
+
+    @classmethod
+    def of(cls, group: list[str], n_params: int, flat: int) -> Layout:
+        members = sorted(group)
+        n = len(members)
+        n_rows = 1 if n <= flat else math.isqrt(n)
+        rows = tuple(tuple(members[a:b]) for a, b in split(0, n, n_rows))
+        columns = tuple(split(0, n_params, len(rows[-1])))
+        cells = tuple(tuple(split(lo, hi, n_rows)) for lo, hi in columns)
+        return cls(rows, columns, cells, {m: r for r, row in enumerate(rows) for m in row})
+
+    @property
+    def two_level(self) -> bool:
+        return len(self.rows) > 1
+
+    def row_of(self, name: str) -> int:
+        """A member's row; anyone else's (a joiner sending its parts) by a hash every replica computes alike."""
+        if name in self.where:
+            return self.where[name]
+        return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big") % len(self.rows)
+
+    def owner(self, r: int, c: int) -> str:
+        """Row r's owner of column c, who is also the owner of column c's cell for row r."""
+        return self.rows[r][c]
+
+    def owned(self, name: str) -> list[int]:
+        """The columns a member owns in its row: none or one (none for anyone else)."""
+        if name not in self.where:
+            return []
+        c = self.rows[self.where[name]].index(name)
+        return [c] if c < len(self.columns) else []
+
+    def all_cells(self) -> list[tuple[int, int, tuple[int, int]]]:
+        """(column, row, cell) for every cell, in the vector's order."""
+        return [(c, r, cell) for c, cells in enumerate(self.cells) for r, cell in enumerate(cells)]
 
 
 def group_digest(group: list[str]) -> bytes:
@@ -225,13 +291,15 @@ class Part:
     hi: int
     delta: torch.Tensor  # (hi - lo,) float32, as decoded from the wire
     norm: float | None = None  # delta's norm, once checked (the outlier check at reducing time reuses it)
+    age: float = 0.0  # seconds since the sender's round started, when it sent this
 
 
 @dataclass
 class Reduced:
-    """An owner's average of the parts of its range: what every replica assembles."""
+    """An average of parts: a cell's, as every replica assembles it (from its owner, or passed on by a
+    column owner), or a row's average of one cell, on its way to the cell's owner."""
 
-    sender: str  # the owner
+    sender: str  # who sent it
     round: int
     base: str
     lo: int
@@ -239,6 +307,16 @@ class Reduced:
     contributors: Contributors
     samples: int  # the samples behind the parts averaged
     delta: torch.Tensor  # (hi - lo,) float32, as decoded from the wire
+    norm: float | None = None  # delta's norm, once checked
+    age: float = 0.0  # seconds since the sender's round started, when it sent this
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """A message a replica must send, and to whom."""
+
+    message: Part | Reduced
+    to: tuple[str, ...]
 
 
 @dataclass
@@ -246,11 +324,11 @@ class Closed:
     """The outcome of a round: the next shared state, whose updates went into it, and what is carried."""
 
     state: SharedState
-    contributors: list[str]  # senders whose parts were averaged in every range
+    contributors: list[str]  # senders whose parts went into at least half of the values (none owning a missing cell)
     rejected: dict[str, str]  # sender -> reason, for parts refused at reducing time
     carry: torch.Tensor | None  # (P,) this replica's own update where it was not averaged, and with
     #                              error feedback what the codec lost of it where it was (None: nothing)
-    missing: int  # ranges that did not arrive by the deadline
+    missing: tuple[tuple[int, int], ...]  # the cells that did not arrive by the deadline
     ready_at: float  # when this replica's own update was in
 
 
@@ -261,7 +339,7 @@ class Counters:
     late: int = 0
     rejected: int = 0
     adopted: int = 0  # states fetched from peers and rebased onto
-    missing: int = 0  # ranges not received by a round's deadline
+    missing: int = 0  # cells not received by a round's deadline
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -290,21 +368,34 @@ class Replica:
     def __post_init__(self) -> None:
         self.announced: dict[str, tuple[Version, bool]] = {}  # peer -> (its version, reached by a round?)
         self.owed: torch.Tensor | None = None  # (P,) error feedback: what the codec lost of ranges averaged here
+        self.heard_at: dict[int, float] = {}  # round -> when its first message came (the round's start)
         self._start_round()
 
     def _start_round(self) -> None:
         self.group: list[str] = []  # fixed at submit: the members, sorted
         self.digest = b""  # the group's digest
-        self.ranges: dict[str, tuple[int, int]] = {}
+        self.layout: Layout | None = None
+        self.row = 0  # this replica's row in the layout
+        self.mine: list[int] = []  # the columns it owns in its row
         self.own: torch.Tensor | None = None  # this round's update, as computed (not through the codec)
         self.own_samples = 0
-        self.parts: dict[str, Part] = {}  # parts of this replica's range, its own included
-        self.reduced: dict[str, Reduced] = {}  # ranges averaged, by owner
+        self.parts: dict[int, dict[str, Part]] = {}  # column owned -> sender -> its part, this replica's too
+        self.row_done: set[int] = set()  # columns owned whose row's parts are averaged
+        self.partials: dict[tuple[int, int], dict[str, Reduced]] = {}  # cell owned -> row owner -> its row's average
+        self.cell_at: dict[tuple[int, int], tuple[int, int]] = {}  # cell -> (column, row)
+        self.column_at: dict[tuple[int, int], int] = {}  # column range -> column
+        self.reduced: dict[tuple[int, int], Reduced] = {}  # cell -> its average, as this replica uses it
+        self.outbox: list[Outgoing] = []  # cells received to pass on to this replica's row
+        self.sent_cells: dict[tuple[int, int], Reduced] = {}  # cells it sent or passed on, as sent
+        self.senders: set[str] = set()  # who sent it parts this round, in time or not
         self.rejected: dict[str, str] = {}
         self.ready_at: float | None = None  # when this replica's own update was in
+        self.start: float | None = None  # the round's start: then, or its first message if earlier
+        self.given_up: set[tuple[int, int]] = set()  # cells owned that came due too late to send
+        self.heard_at = {k: t for k, t in self.heard_at.items() if k >= self.round}
         held = getattr(self, "held", {})
-        # for the next round, before submit, or on another base: maybe later (one of each kind per sender)
-        self.held: dict[tuple[str, str], Part | Reduced] = {}
+        # for the next round, before submit, or on another base: maybe later (by kind, sender and range)
+        self.held: dict[tuple, Part | Reduced] = {}
         for message in held.values():
             self.offer(message)
 
@@ -317,47 +408,57 @@ class Replica:
         return self.state.params.numel()
 
     @property
-    def range(self) -> tuple[int, int] | None:
-        """The range this replica owns this round (None: not a member, or before submit)."""
-        return self.ranges.get(self.me)
+    def owns(self) -> bool:
+        """Whether this replica averages a range this round (a member; not before submit)."""
+        return bool(self.mine)
 
     # --- a round ------------------------------------------------------------------------------------
 
-    def submit(self, delta: torch.Tensor, samples: int, now: float) -> dict[str, Part]:
-        """This replica's own update: fixes the round's group and ranges, starts the deadline, and
-        returns the parts to send, by owner (every owner but itself)."""
+    def submit(self, delta: torch.Tensor, samples: int, now: float) -> list[Outgoing]:
+        """This replica's own update: fixes the round's group and layout, starts the deadline, and
+        returns the parts to send, each to the owner of its column in this replica's row."""
         members = set(self.expected) | ({self.me} if self.synced else set())
         self.group = sorted(members) or [self.me]
         self.digest = group_digest(self.group)
-        self.ranges = partition(self.n_params, self.group)
+        self.layout = Layout.of(self.group, self.n_params, self.cfg.flat)
+        self.row, self.mine = self.layout.row_of(self.me), self.layout.owned(self.me)
+        self.cell_at = {cell: (c, r) for c, r, cell in self.layout.all_cells()}
+        self.column_at = {column: c for c, column in enumerate(self.layout.columns)}
+        self.parts = {c: {} for c in self.mine}
+        self.partials = {self.layout.cells[c][self.row]: {} for c in self.mine} if self.layout.two_level else {}
         self.own, self.own_samples, self.ready_at = delta, samples, now
-        parts = {}
-        for owner, (lo, hi) in self.ranges.items():
-            part = Part(self.me, self.round, self.state.version.hash, samples, lo, hi, delta[lo:hi])
-            if owner == self.me:
-                self.parts[self.me] = Part(**{**part.__dict__, "delta": self.wire(delta[lo:hi].contiguous())})
+        self.start = min(now, self.heard_at.get(self.round, now))
+        out = []
+        for c, (lo, hi) in enumerate(self.layout.columns):
+            part = Part(self.me, self.round, self.state.version.hash, samples, lo, hi, delta[lo:hi],
+                        age=now - self.start)
+            if c in self.parts:
+                self.parts[c][self.me] = replace(part, delta=self.wire(delta[lo:hi].contiguous()))
             else:
-                parts[owner] = part
+                out.append(Outgoing(part, (self.layout.owner(self.row, c),)))
         held, self.held = self.held, {}
         for message in held.values():
             self.offer(message)
-        return parts
+        return out
 
-    def offer(self, message: Part | Reduced) -> str:
-        """A peer's part or reduced range: 'accepted', 'held' (a later round, before this replica's
-        own update, or on another base), or why it was refused."""
+    def offer(self, message: Part | Reduced, now: float | None = None) -> str:
+        """A peer's part, row average or averaged cell, arrived at `now`: 'accepted', 'held' (a later
+        round, before this replica's own update, or on another base), or why it was refused."""
         reason = self._check(message)
+        if now is not None and reason in (None, "next round", "before submit"):
+            self._heard(message, now)
+        if isinstance(message, Part) and message.round == self.round and reason in (None, "late"):
+            self._joined(message.sender)
         if reason is None:
             if isinstance(message, Part):
-                self.parts[message.sender] = message
+                self.parts[self.column_at[message.lo, message.hi]][message.sender] = message
             else:
-                self.reduced[message.sender] = message
+                self._take(message)
             self.counters.accepted += 1
             return "accepted"
         if reason in ("next round", "before submit", "other base"):
-            self.held[type(message).__name__, message.sender] = message
-            if reason == "other base":
-                self.expected.discard(message.sender)  # cannot count this round unless we adopt its base
+            if len(self.held) < 4 * (len(self.expected) + 16):  # (bounded: a round's messages to one replica)
+                self.held[type(message).__name__, message.sender, message.lo, message.hi] = message
             return "held"
         if reason == "late":
             self.counters.late += 1
@@ -367,6 +468,39 @@ class Replica:
                     message.round, reason)
         return reason
 
+    def _heard(self, m: Part | Reduced, now: float) -> None:
+        """A message of a round arrived: that round started no later than its sender's start. The
+        earliest start spreads from peer to peer, so that replicas close about together and an
+        average sent by its stage's time reaches every replica before it closes. (A peer claiming
+        an older start can at worst make the stages come at once: its age counts up to `wait`.)"""
+        age = min(max(m.age, 0.0), self.cfg.wait) if math.isfinite(m.age) else 0.0
+        self.heard_at[m.round] = min(now - age, self.heard_at.get(m.round, now))
+        if self.start is not None and m.round == self.round:
+            self.start = min(self.start, self.heard_at[m.round])
+
+    def _joined(self, sender: str) -> None:
+        """A part came from `sender`, which is on this replica's state, in time or late: it gets the
+        cells this replica sends its row (a joiner not yet in the group, a member that came late),
+        those already sent included."""
+        if sender not in self.senders:
+            self.senders.add(sender)
+            self.outbox += [Outgoing(m, (sender,)) for m in self.sent_cells.values()]
+
+    def _take(self, m: Reduced) -> None:
+        cell = m.lo, m.hi
+        c, r = self.cell_at[cell]
+        owner = self.layout.owner(r, c)
+        if owner == self.me:  # a row's average of this replica's cell
+            self.partials[cell][m.sender] = m
+            return
+        direct = m.sender == owner
+        if direct and c in self.mine:  # a column peer's cell: pass it on to this replica's row, as received
+            self.outbox.append(Outgoing(m, tuple(self._row_targets())))
+            self.sent_cells[cell] = m
+        if direct and self.layout.two_level and self.cfg.lossy:  # decoded once more, as relayed ones are
+            m = replace(m, delta=self.wire(m.delta))
+        self.reduced[cell] = m
+
     def _check(self, m: Part | Reduced) -> str | None:
         if m.delta.dtype != torch.float32 or m.delta.dim() != 1 or m.delta.numel() != m.hi - m.lo:
             return f"wrong shape {tuple(m.delta.shape)} {m.delta.dtype} for range {m.lo}:{m.hi}"
@@ -374,11 +508,9 @@ class Replica:
             return f"range {m.lo}:{m.hi} outside the block's {self.n_params} values"
         if m.samples < 1:
             return "no samples behind it"
-        norm = float(m.delta.norm())  # (one pass; finite values big enough to overflow fail too)
-        if not math.isfinite(norm):
+        m.norm = float(m.delta.norm())  # (one pass; finite values big enough to overflow fail too)
+        if not math.isfinite(m.norm):
             return "NaN, Inf or overflowing values in it"
-        if isinstance(m, Part):
-            m.norm = norm
         if m.round < self.round:
             return "late" if m.round == self.round - 1 else "stale round"
         if m.round > self.round + 1:
@@ -389,111 +521,233 @@ class Replica:
             return "other base"
         if self.ready_at is None:
             return "before submit"
+        layout = self.layout
         if isinstance(m, Part):
-            if m.sender == self.me or m.sender in self.parts:
-                return "duplicate"
-            if self.range != (m.lo, m.hi):
+            c = self.column_at.get((m.lo, m.hi))
+            if c is None or layout.owner(layout.row_of(m.sender), c) != self.me:
                 return "not this replica's range (another partition)"
-            if self.me in self.reduced:
+            if m.sender == self.me or m.sender in self.parts[c]:
+                return "duplicate"
+            return "late" if c in self.row_done else None
+        cell = m.lo, m.hi
+        if cell not in self.cell_at:
+            return "not the sender's range (another partition)"
+        c, r = self.cell_at[cell]
+        if layout.owner(r, c) == self.me:  # must be another row's average of this replica's cell
+            row = layout.where.get(m.sender)
+            if not layout.two_level or row is None or row == self.row or layout.owner(row, c) != m.sender:
+                return "not the sender's range (another partition)"
+            if m.sender in self.partials[cell]:
+                return "duplicate"
+            if cell in self.reduced:
                 return "late"
-            return None
-        if m.sender == self.me or m.sender in self.reduced:
+        elif cell in self.reduced:
             return "duplicate"
-        if self.ranges.get(m.sender) != (m.lo, m.hi):
+        elif m.sender not in (layout.owner(r, c), layout.owner(self.row, c)):  # its owner, or it passed on
             return "not the sender's range (another partition)"
         return m.contributors.problem(self.group, self.digest)
 
-    def can_reduce(self, now: float) -> bool:
-        """This replica owns a range it has not averaged yet, and every member's part is in, or half
-        the deadline has passed."""
-        if self.range is None or self.me in self.reduced or self.ready_at is None:
-            return False
-        return set(self.group) <= set(self.parts) or now >= self.ready_at + self.cfg.wait / 2
+    def _due_at(self, stage: str) -> float:
+        """When a stage comes, from the round's start: averaging a row's parts at half of `wait` (the
+        most of it, as updates come ready over a spread of times), in two levels averaging the rows'
+        averages of a cell at three quarters; the last moment to average anything (a quarter, or an
+        eighth, before the close: what is sent then must reach every replica before it closes); the
+        close."""
+        share = {"row": 0.5, "cell": 0.75, "last": 0.875 if self.layout.two_level else 0.75, "close": 1.0}
+        return self.start + self.cfg.wait * share[stage]
 
-    def reduce(self) -> Reduced:
-        """Average the parts of this replica's range; the result (through the codec) counts as
-        received from itself. Returns it, to send to `targets()`."""
-        self.rejected = self._norm_outliers(self.parts)
-        for sender, reason in self.rejected.items():
-            log.warning("part from %s for round %d refused: %s", sender[:8], self.round, reason)
+    def due(self, now: float) -> list[Outgoing]:
+        """What this replica must send now: the averages of its columns' parts in its row (once every
+        row member's part is in, or at the first stage's time), of its cells' row averages (every
+        row's in, or the second stage's), and the cells it passes on.
+
+        After the last moment it averages nothing more: a cell sent then would reach some peers
+        after they closed and not others, and the states would differ. So a late
+        replica (its update ready long after the round's first message) leaves its cells missing,
+        as they are for everyone else, and closes on the same state as the others.
+        """
+        out, self.outbox = self.outbox, []
+        if self.ready_at is None:
+            return out
+        if now >= self._due_at("last"):
+            self.row_done.update(self.mine)
+            self.given_up.update(cell for cell in self._own_cells() if cell not in self.reduced)
+        else:
+            out += self._averages(now)
+        return [Outgoing(replace(o.message, age=now - self.start), o.to) for o in out]
+
+    def _averages(self, now: float) -> list[Outgoing]:
+        """The averages whose inputs are all in, or whose stage's time has come."""
+        out = []
+        row = set(self.layout.rows[self.row])
+        for c in self.mine:
+            if c not in self.row_done and (row <= set(self.parts[c]) or now >= self._due_at("row")):
+                out += self._average_row(c)
+        for c in self.mine if self.layout.two_level else []:
+            cell = self.layout.cells[c][self.row]
+            if (c in self.row_done and cell not in self.reduced
+                    and (len(self.partials[cell]) == len(self.layout.rows) or now >= self._due_at("cell"))):
+                out.append(self._average_cell(c, cell))
+        return out
+
+    def _average(self, kept: dict[str, Part | Reduced]) -> tuple[list[str], int, torch.Tensor]:
+        """The samples-weighted average of what passes the outlier check, in a fixed order (the same
+        sums anywhere): (senders used, samples, average)."""
+        rejected = self._norm_outliers(kept)
+        for sender, reason in rejected.items():
+            log.warning("%s from %s for round %d refused: %s", type(kept[sender]).__name__.lower(), sender[:8],
+                        self.round, reason)
             self.counters.rejected += 1
-        used = sorted(s for s in self.parts if s not in self.rejected)  # a fixed order: the same sums anywhere
-        total = sum(self.parts[s].samples for s in used)  # (>= 1: the median part is never an outlier)
-        lo, hi = self.range
-        average = torch.mul(self.parts[used[0]].delta, self.parts[used[0]].samples / total)
+        self.rejected.update(rejected)
+        used = sorted(s for s in kept if s not in rejected)
+        total = sum(kept[s].samples for s in used)  # (>= 1: the median is never an outlier)
+        average = torch.mul(kept[used[0]].delta, kept[used[0]].samples / total)
         for s in used[1:]:
-            average.add_(self.parts[s].delta, alpha=self.parts[s].samples / total)
-        contributors = Contributors.of(self.group, used)
-        mine = Reduced(self.me, self.round, self.state.version.hash, lo, hi, contributors, total, average)
-        decoded = self._with_feedback(average, lo, hi) if self.cfg.feedback and self.cfg.lossy else self.wire(average)
-        self.reduced[self.me] = Reduced(**{**mine.__dict__, "delta": decoded})
-        return mine
+            average.add_(kept[s].delta, alpha=kept[s].samples / total)
+        return used, total, average
 
-    def _with_feedback(self, average: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Error feedback on the range averaged here: add what the codec lost of it last time, keep
-        what it loses this time. Returns the decoded average (what everyone uses)."""
-        if self.owed is None:
-            self.owed = torch.zeros_like(self.state.params)
-        average.add_(self.owed[lo:hi])  # (`average` is the Reduced sent: the owed error travels in it)
+    def _average_row(self, c: int) -> list[Outgoing]:
+        """Average the row's parts of column c. In one level that is the range's average, to send
+        to the row; in two, each cell of it goes to that cell's owner."""
+        used, total, average = self._average(self.parts[c])
+        self.row_done.add(c)
+        who, base = Contributors.of(self.group, used), self.state.version.hash
+        lo, hi = self.layout.columns[c]
+        if not self.layout.two_level:
+            mine = Reduced(self.me, self.round, base, lo, hi, who, total, average)
+            self.reduced[lo, hi] = replace(mine, delta=self._decoded(average, lo, hi))
+            self.sent_cells[lo, hi] = mine
+            return [Outgoing(mine, tuple(self._row_targets()))]
+        out = []
+        for r, (a, b) in enumerate(self.layout.cells[c]):
+            piece = Reduced(self.me, self.round, base, a, b, who, total, average[a - lo:b - lo])
+            if r == self.row:
+                self.partials[a, b][self.me] = replace(piece, delta=self.wire(piece.delta.contiguous()))
+            else:
+                out.append(Outgoing(piece, (self.layout.owner(r, c),)))
+        return out
+
+    def _average_cell(self, c: int, cell: tuple[int, int]) -> Outgoing:
+        """Average the rows' averages of this replica's cell of column c: the cell's average, to send
+        to the column and to the row."""
+        kept = self.partials[cell]
+        used, total, average = self._average(kept)
+        names = sorted(set().union(*(kept[s].contributors.names(self.group) for s in used)))
+        mine = Reduced(self.me, self.round, self.state.version.hash, *cell, Contributors.of(self.group, names),
+                       total, average)
+        self.reduced[cell] = replace(mine, delta=self._decoded(average, *cell))
+        self.sent_cells[cell] = mine
+        rows = self.layout.rows
+        column = {self.layout.owner(r, c) for r in range(len(rows))}
+        # a row whose average did not come has lost its column owner, who would pass this cell on:
+        # its members get it from here
+        orphans = {m for r in range(len(rows)) if self.layout.owner(r, c) not in kept for m in rows[r]}
+        return Outgoing(mine, tuple(sorted((column | orphans | set(self._row_targets())) - {self.me})))
+
+    def _decoded(self, average: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """What every replica will use of an average this replica computed: as its peers decode it
+        (in two levels decoded once more, as the column owners who pass it on send what they
+        decoded). With error feedback, what the codec lost of this range's last average is added
+        to it first (so travels in it), and what it loses now is kept for the next."""
+        feedback = self.cfg.feedback and self.cfg.lossy
+        if feedback:
+            if self.owed is None:
+                self.owed = torch.zeros_like(self.state.params)
+            average.add_(self.owed[lo:hi])
         decoded = self.wire(average)
-        torch.sub(average, decoded, out=self.owed[lo:hi])
+        if self.layout.two_level and self.cfg.lossy:
+            decoded = self.wire(decoded)
+        if feedback:
+            torch.sub(average, decoded, out=self.owed[lo:hi])
         return decoded
 
-    def targets(self) -> list[str]:
-        """Who gets this replica's reduced range: the group, every contributor, and the peers that
-        announced this replica's version (a joiner on it gets the round's result, and so is in step
-        for the next), itself aside."""
-        contributors = self.reduced[self.me].contributors.names(self.group) if self.me in self.reduced else []
-        on_this_state = {p for p, (version, _) in self.announced.items() if version == self.state.version}
-        return sorted((set(self.group) | set(contributors) | on_this_state) - {self.me})
+    def _row_targets(self) -> list[str]:
+        """Who gets the cells this replica sends or passes on: its row, the others whose parts came
+        to it (joiners assigned to its row), and the peers in its row that announced its version (a
+        joiner on it gets the round's result, and so is in step for the next), itself aside."""
+        on_this_state = {p for p, (version, _) in self.announced.items()
+                         if version == self.state.version and self.layout.row_of(p) == self.row}
+        return sorted((set(self.layout.rows[self.row]) | self.senders | on_this_state) - {self.me})
+
+    def _own_cells(self) -> list[tuple[int, int]]:
+        return [self.layout.cells[c][self.row] for c in self.mine]
+
+    def _pending(self) -> bool:
+        """Whether a cell this replica owns is neither averaged nor given up."""
+        return any(cell not in self.reduced and cell not in self.given_up for cell in self._own_cells())
 
     def deadline(self) -> float | None:
-        """The next time something is due: averaging this replica's range, or closing the round."""
+        """The next time something is due: averaging a row's parts, a column's cells, or closing."""
         if self.ready_at is None:
             return None
-        if self.range is not None and self.me not in self.reduced:
-            return self.ready_at + self.cfg.wait / 2
-        return self.ready_at + self.cfg.wait
+        if any(c not in self.row_done for c in self.mine):
+            return self._due_at("row")
+        if self._pending():
+            return self._due_at("cell")
+        return self._due_at("close")
 
     def can_close(self, now: float, gone: set[str] = frozenset()) -> bool:
-        """Own range averaged (if it owns one), and every range in (or its owner gone), or the deadline."""
-        if self.ready_at is None or (self.range is not None and self.me not in self.reduced):
+        """Own cells averaged (or given up), and every cell in (or its owner gone), or the deadline."""
+        if self.ready_at is None or self._pending():
             return False
-        waiting = set(self.ranges) - set(self.reduced) - set(gone)
-        return not waiting or now >= self.ready_at + self.cfg.wait
+        waiting = [1 for c, r, cell in self.layout.all_cells()
+                   if cell not in self.reduced and self.layout.owner(r, c) not in gone]
+        return not waiting or now >= self._due_at("close")
+
+    def _sent(self, c: int) -> torch.Tensor:
+        """This replica's part of column c as its owner decoded it."""
+        if c in self.mine:
+            return self.parts[c][self.me].delta
+        lo, hi = self.layout.columns[c]
+        return self.wire(self.own[lo:hi].contiguous())
 
     def close(self) -> Closed:
-        """Assemble the averaged ranges, apply the outer step, move to the next round's shared state."""
-        params = torch.empty_like(self.state.params)  # (every range is written below: one pass over it)
+        """Assemble the averaged cells, apply the outer step, move to the next round's shared state."""
+        params = torch.empty_like(self.state.params)  # (every cell is written below: one pass over it)
         momentum = None if self.cfg.outer == "average" else torch.empty_like(params)
         carry = None
-        contributors: set[str] | None = None
-        samples = []
-        for owner, (lo, hi) in self.ranges.items():
-            got = self.reduced.get(owner)
+        names_of: dict[Contributors, set[str]] = {}  # (cells mostly share their contributors)
+        values: dict[Contributors, int] = {}  # how many values of the vector each set of contributors averaged
+        weighted, owners_missing = 0, set()
+        sent: dict[int, torch.Tensor] = {}  # column -> this replica's part there as decoded (error feedback)
+        for c, r, (lo, hi) in self.layout.all_cells():
+            got = self.reduced.get((lo, hi))
             self.outer_step(got.delta if got is not None else None, lo, hi, params, momentum)
-            names = set(got.contributors.names(self.group)) if got is not None else set()
-            if got is not None:
-                samples.append(got.samples)
-                contributors = names if contributors is None else contributors & names
+            if got is None:
+                owners_missing.add(self.layout.owner(r, c))  # (not in step with this replica)
+                names = set()
+            else:
+                if got.contributors not in names_of:
+                    names_of[got.contributors] = set(got.contributors.names(self.group))
+                names = names_of[got.contributors]
+                values[got.contributors] = values.get(got.contributors, 0) + hi - lo
+                weighted += got.samples * (hi - lo)
             if got is None or self.me not in names:  # not averaged: stays this replica's progress
                 carry = torch.zeros_like(params) if carry is None else carry
                 carry[lo:hi] = self.own[lo:hi]
             elif self.cfg.feedback and self.cfg.lossy:  # averaged as its owner decoded it: carry the rest
                 carry = torch.zeros_like(params) if carry is None else carry
-                own = self.own[lo:hi]
-                carry[lo:hi] = own - (self.parts[owner].delta if owner == self.me else self.wire(own.contiguous()))
-        missing = set(self.ranges) - set(self.reduced)  # their owners are not in step with this replica
-        self.counters.missing += len(missing)
-        used = sorted((contributors or set()) - missing)
-        added = 0 if missing else min(samples)
-        self.state = SharedState.create(self.round + 1, self.state.version.samples + added, params, momentum)
+                if c not in sent:
+                    sent[c] = self._sent(c)
+                start = self.layout.columns[c][0]
+                carry[lo:hi] = self.own[lo:hi] - sent[c][lo - start:hi - start]
+        not_in = tuple(cell for _, _, cell in self.layout.all_cells() if cell not in self.reduced)
+        self.counters.missing += len(not_in)
+        share: dict[str, int] = {}
+        for who, n in values.items():
+            for name in names_of[who]:
+                share[name] = share.get(name, 0) + n
+        averaged = sum(values.values())
+        used = sorted(name for name, n in share.items() if 2 * n >= averaged and name not in owners_missing)
+        # samples added: those behind each cell, weighted by its size (a missing cell adds none)
+        self.state = SharedState.create(self.round + 1, self.state.version.samples + weighted // self.n_params,
+                                        params, momentum)
         self.counters.rounds += 1
-        self.synced = self.me in used  # a member of the next group only if its parts made every range
+        self.synced = self.me in used  # a member of the next group only if its parts made half the values
         self.expected = (set(used) | self._in_step()) - {self.me}
         rejected, ready_at = self.rejected, self.ready_at
         self._start_round()
-        return Closed(self.state, used, rejected, carry, len(missing), ready_at)
+        return Closed(self.state, used, rejected, carry, not_in, ready_at)
 
     def outer_step(self, average: torch.Tensor | None, lo: int, hi: int, params: torch.Tensor,
                    momentum: torch.Tensor | None) -> None:
@@ -511,10 +765,10 @@ class Replica:
         torch.add(mu * old, average, out=momentum[lo:hi])
         torch.add(base, self.cfg.outer_lr * (average + mu * momentum[lo:hi]), out=params[lo:hi])
 
-    def _norm_outliers(self, parts: dict[str, Part]) -> dict[str, str]:
-        """Parts whose norm is more than max_norm_ratio away from the median norm (its own too: an owner
-        must not push its own outlier into a range everyone uses). With two parts there is no
-        majority, and this replica trusts its own."""
+    def _norm_outliers(self, parts: dict[str, Part | Reduced]) -> dict[str, str]:
+        """Parts (or rows' averages) whose norm is more than max_norm_ratio away from the median norm
+        (its own too: an owner must not push its own outlier into a range everyone uses). With two
+        there is no majority, and this replica trusts its own."""
         if len(parts) < 2:
             return {}
         norms = {s: float(u.delta.norm()) if u.norm is None else u.norm for s, u in parts.items()}
@@ -533,13 +787,19 @@ class Replica:
         its parts went into (or holds genesis), and is still training.
 
         Peers in step (synced, on this replica's version) are members of its next group; a peer
-        that fetched the state (a joiner, a restarted node) is not, until it has contributed.
+        that fetched the state (a joiner, a restarted node) is not, until it has contributed. (Same
+        version, same cells, same contributors: the peers in step with a replica are those its own
+        round found. A member that drops out is not struck from the group here, since peers that
+        heard of it before fixing their group and peers that heard after would lay out different
+        groups: it misses the round, whose deadline passes, and so is not in the next.)
         """
         self.announced[peer] = (version, synced)
         if synced and version == self.state.version:
             self.expected.add(peer)
-        elif not synced:  # it fetched its state, or stopped training: do not wait for it
-            self.expected.discard(peer)
+
+    def members(self) -> list[str]:
+        """The group of the round that starts from this replica's state, as it knows it now."""
+        return sorted(self.expected | ({self.me} if self.synced else set()))
 
     def _in_step(self) -> set[str]:
         return {p for p, (v, synced) in self.announced.items() if synced and v == self.state.version}
@@ -560,8 +820,10 @@ class Replica:
         Progress not yet sent is kept; progress already sent as this round's update is not carried
         over (the adopted state may include it already; if it does not, it was late). This round's
         parts and ranges were relative to the old state and are dropped, except held ones on the
-        new state's base, which count again. Until it has contributed to a round, this replica is
-        not a member of anyone's group.
+        new state's base, which count again. Its next group is the one the holder named (else the
+        peers it heard are in step on that state): the replica lays out the same rows as they do, and
+        is a member only if that group counts it (its parts made the round, and it only missed
+        cells that the holder got); otherwise not until it has contributed.
         """
         progress = local - self.state.params
         if self.own is not None:
@@ -570,8 +832,9 @@ class Replica:
         self.state = state
         self.counters.adopted += 1
         self.owed = None  # (errors of ranges averaged on the old state)
-        self.synced = False
-        self.expected = self._in_step() - {self.me}
+        named = set(state.members or ())
+        self.synced = self.me in named
+        self.expected = (named | self._in_step()) - {self.me}
         self.held = {k: m for k, m in self.held.items() if m.round >= self.round}
         self._start_round()
         return rebased

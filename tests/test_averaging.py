@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,13 +14,13 @@ import torch
 from spheroid.averaging import (
     AveragingConfig,
     Contributors,
+    Layout,
     Part,
     Reduced,
     Replica,
     SharedState,
     Version,
     group_digest,
-    partition,
     state_hash,
 )
 from spheroid.wire import through_codec
@@ -26,15 +28,15 @@ from spheroid.wire import through_codec
 P = 64
 
 
-def start_state(seed: int = 0, nesterov: bool = False) -> SharedState:
-    params = torch.randn(P, generator=torch.Generator().manual_seed(seed))
-    return SharedState.create(0, 0, params, torch.zeros(P) if nesterov else None)
+def start_state(seed: int = 0, nesterov: bool = False, p: int = P) -> SharedState:
+    params = torch.randn(p, generator=torch.Generator().manual_seed(seed))
+    return SharedState.create(0, 0, params, torch.zeros(p) if nesterov else None)
 
 
-def replicas(n: int, cfg: AveragingConfig | None = None, wire=None) -> list[Replica]:
+def replicas(n: int, cfg: AveragingConfig | None = None, wire=None, p: int = P) -> list[Replica]:
     cfg = cfg or AveragingConfig(wait=1.0)
     names = [f"{i:032x}" for i in range(n)]
-    state = start_state(nesterov=cfg.outer == "nesterov")
+    state = start_state(nesterov=cfg.outer == "nesterov", p=p)
     extra = {"wire": wire} if wire else {}
     group = [Replica(name, SharedState(state.version, state.params.clone(), state.momentum), cfg, **extra)
              for name in names]
@@ -45,27 +47,55 @@ def replicas(n: int, cfg: AveragingConfig | None = None, wire=None) -> list[Repl
     return group
 
 
-def exchange(group: list[Replica], deltas: list[torch.Tensor], samples: list[int], wire=lambda t: t) -> None:
-    """One round, every message delivered: parts to their owners, then every owner's range to all."""
+def exchange(group: list[Replica], deltas: list[torch.Tensor], samples: list[int], wire=lambda t: t,
+             sent: dict[str, list] | None = None, dead: frozenset[str] = frozenset()) -> None:
+    """One round: every message delivered, wave after wave (parts, then what is due, until nothing
+    is), except to and from the `dead`, whose absence the others wait out stage by stage. `sent`
+    collects, per sender, the values sent and the peers sent to."""
     by_name = {r.me: r for r in group}
-    sent = [r.submit(d, s, now=0.0) for r, d, s in zip(group, deltas, samples, strict=True)]
-    for parts in sent:
-        for owner, part in parts.items():
-            assert by_name[owner].offer(Part(**{**part.__dict__, "delta": wire(part.delta)})) == "accepted"
-    for r in group:
-        if r.range is None:  # not a member this round: owns nothing
-            continue
-        assert r.can_reduce(now=0.0)
-        mine = r.reduce()
-        for peer in r.targets():
-            assert by_name[peer].offer(Reduced(**{**mine.__dict__, "delta": wire(mine.delta)})) == "accepted"
+    live = [r for r in group if r.me not in dead]
+    wave = [(r, out) for r, d, s in zip(group, deltas, samples, strict=True) if r.me not in dead
+            for out in r.submit(d, s, now=0.0)]
+    wait = group[0].cfg.wait
+    for now in (0.0, wait / 2, 3 * wait / 4, wait):  # (the stages' times, in one or two levels)
+        while wave:
+            for r, out in wave:
+                message = replace(out.message, sender=r.me, delta=wire(out.message.delta))
+                for peer in out.to:
+                    if peer not in dead:
+                        assert by_name[peer].offer(message) == "accepted"
+                    if sent is not None:
+                        sent.setdefault(r.me, [0, set()])[0] += message.delta.numel()
+                        sent[r.me][1].add(peer)
+            wave = [(r, out) for r in live for out in r.due(now)]
+        if not dead:
+            return
+        wave = [(r, out) for r in live for out in r.due(now)]
+
+
+def flat_range(group: list[str], name: str) -> tuple[int, int]:
+    """A member's range in a group of one row."""
+    members = sorted(group)
+    return Layout.of(members, P, flat=16).columns[members.index(name)]
 
 
 def test_ranges_tile_the_vector_and_every_replica_computes_the_same_ones():
     group = [f"{i:032x}" for i in (3, 1, 2)]
-    ranges = partition(10, group)
-    assert [ranges[m] for m in sorted(group)] == [(0, 4), (4, 7), (7, 10)]
-    assert partition(10, list(reversed(group))) == ranges
+    layout = Layout.of(group, 10, flat=16)
+    assert layout.rows == (tuple(sorted(group)),) and layout.columns == ((0, 4), (4, 7), (7, 10))
+    assert Layout.of(list(reversed(group)), 10, flat=16) == layout
+
+
+def test_a_large_group_is_laid_out_in_rows_whose_cells_tile_the_vector():
+    group = [f"{i:032x}" for i in range(23)]
+    layout = Layout.of(group, 1000, flat=16)
+    assert [len(row) for row in layout.rows] == [6, 6, 6, 5] and len(layout.columns) == 5
+    bounds = [cell for _, _, cell in layout.all_cells()]
+    assert bounds[0][0] == 0 and bounds[-1][1] == 1000 and all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
+    long = layout.rows[0]
+    assert layout.owned(long[1]) == [1] and layout.owned(long[5]) == []  # a longer row's last owns none
+    assert layout.owned("f" * 32) == [] and 0 <= layout.row_of("f" * 32) < 4  # a joiner owns nothing
+    assert Layout.of(group, 1000, flat=23).rows == (tuple(group),)
 
 
 def test_average_is_exact_when_every_range_arrives():
@@ -80,7 +110,7 @@ def test_average_is_exact_when_every_range_arrives():
         torch.testing.assert_close(c.state.params, expected, rtol=0, atol=1e-6)
         assert c.state.version.round == 1 and c.state.version.samples == 192
         assert sorted(c.contributors) == sorted(r.me for r in group)
-        assert c.missing == 0 and c.carry is None
+        assert not c.missing and c.carry is None
     assert len({c.state.version.hash for c in closed}) == 1  # bit-identical on every replica
     assert closed[0].state.version.hash == state_hash(closed[0].state.params)
 
@@ -118,18 +148,102 @@ def test_error_feedback_sends_what_rounding_lost_in_later_rounds(feedback):
         assert drift > 0.9 * 0.002 * rounds  # the values averaging 0.002 a round never moved
 
 
+def test_a_large_group_averages_exactly_in_two_levels_and_agrees_bit_for_bit():
+    group = replicas(20, AveragingConfig(wait=1.0, flat=4))  # 4 rows of 5
+    base = group[0].state.params.clone()
+    deltas = [torch.randn(P) * 0.01 for _ in group]
+    samples = [8 * (i + 1) for i in range(len(group))]
+    exchange(group, deltas, samples)
+    assert group[0].layout.two_level
+    closed = [r.close() for r in group]
+    expected = base + sum(d * s for d, s in zip(deltas, samples, strict=True)) / sum(samples)
+    for c in closed:
+        torch.testing.assert_close(c.state.params, expected, rtol=0, atol=1e-6)
+        assert c.state.version.samples == sum(samples) and not c.missing and c.carry is None
+        assert c.contributors == sorted(r.me for r in group)
+    assert len({c.state.version.hash for c in closed}) == 1
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "bf16"])
+def test_two_levels_through_a_lossy_codec_agree_bit_for_bit_with_error_feedback(codec):
+    """A column owner passes a cell on as it decoded it; every replica uses the cell decoded once more."""
+    wire = (lambda t: through_codec(t, codec)) if codec != "bf16" else (lambda t: t.to(torch.bfloat16).float())
+    cfg = AveragingConfig(wait=1.0, flat=4, codec=codec, feedback=True)
+    group = replicas(14, cfg, wire=wire)  # rows of 5, 5, 4: the longer rows' last members own no column
+    for _ in range(3):
+        exchange(group, [torch.randn(P) * 0.01 for _ in group], [8] * len(group), wire=wire)
+        closed = [r.close() for r in group]
+        assert len({c.state.version.hash for c in closed}) == 1 and all(not c.missing for c in closed)
+
+
+def test_a_dead_member_of_a_large_group_costs_one_cell_and_its_row_stays_in_step():
+    """Its cell is missing everywhere, and its row's parts of its column are carried over; the cells
+    it would have passed on to its row come from their owners, so every live replica ends alike."""
+    group = replicas(16, AveragingConfig(wait=1.0, flat=4))  # 4 rows of 4
+    dead = group[5]  # row 1, column 1
+    layout = Layout.of([r.me for r in group], P, flat=4)
+    row = set(layout.rows[1]) - {dead.me}
+    deltas = [torch.randn(P) * 0.01 for _ in group]
+    exchange(group, deltas, [8] * 16, dead=frozenset({dead.me}))
+    assert all(r.can_close(now=1.0) for r in group if r is not dead)
+    closed = {r.me: r.close() for r in group if r is not dead}
+    assert len({c.state.version for c in closed.values()}) == 1
+    assert all(c.missing == (layout.cells[1][1],) for c in closed.values())
+    everyone = closed[group[0].me]
+    assert everyone.contributors == sorted({r.me for r in group} - {dead.me})  # in half the values, at least
+    # samples per value: 15 x 8 in three columns (48 values), 12 x 8 in the dead one's column's three other cells
+    assert everyone.state.version.samples == (120 * 48 + 96 * 12) // P
+    lo, hi = layout.columns[1]
+    for name in row:  # their parts of the dead one's column were averaged nowhere: carried over
+        me = next(i for i, r in enumerate(group) if r.me == name)
+        torch.testing.assert_close(closed[name].carry[lo:hi], deltas[me][lo:hi])
+        assert not closed[name].carry[:lo].any() and not closed[name].carry[hi:].any()
+
+
+def test_a_joiner_in_a_large_group_sends_to_one_row_and_receives_every_cell():
+    group = replicas(17, AveragingConfig(wait=1.0, flat=4))
+    joiner = group[-1]
+    for r in group[:-1]:  # it fetched their state: announced, not synced, and not one of theirs
+        r.expected.discard(joiner.me)
+        r.note_version(joiner.me, r.state.version, synced=False)
+    joiner.synced, joiner.expected = False, {r.me for r in group[:-1]}
+    sent: dict[str, list] = {}
+    exchange(group, [torch.randn(P) * 0.01 for _ in group], [8] * 17, sent=sent)
+    assert joiner.me not in joiner.group and joiner.layout == group[0].layout
+    assert sent[joiner.me][1] == set(group[0].layout.rows[joiner.row])  # its parts: to its row's owners
+    closed = [r.close() for r in group]
+    assert len({c.state.version.hash for c in closed}) == 1 and not closed[0].missing
+    assert joiner.me in closed[0].contributors and closed[-1].carry is None
+    assert group[0].submit(torch.zeros(P), 8, now=2.0) and joiner.me in group[0].group  # a member next round
+
+
+@pytest.mark.parametrize("n", [17, 64, 250])
+def test_in_two_levels_a_node_sends_about_two_vectors_to_about_two_sqrt_n_peers(n):
+    p = 1 << 16
+    group = replicas(n, AveragingConfig(wait=1.0), p=p)
+    sent: dict[str, list] = {}
+    exchange(group, [torch.zeros(p) for _ in group], [8] * n, sent=sent)
+    layout = group[0].layout
+    assert len(layout.rows) == math.isqrt(n)
+    for values, peers in sent.values():
+        assert values <= 2 * p * (1 + 1 / len(layout.columns)) and len(peers) <= 2 * math.isqrt(n) + 2
+    if n == 250:
+        assert max(values for values, _ in sent.values()) <= 2.2 * p
+    assert len({r.close().state.version.hash for r in group}) == 1
+
+
 def test_a_node_sends_two_vectors_per_round_whatever_the_number_of_replicas():
     for n in (2, 4, 8):
         group = replicas(n)
         by_name = {r.me: r for r in group}
         sent = {r.me: 0 for r in group}
         for r, parts in [(r, r.submit(torch.randn(P), 8, now=0.0)) for r in group]:
-            for owner, part in parts.items():
-                sent[r.me] += part.delta.numel()
-                assert by_name[owner].offer(part) == "accepted"
+            for out in parts:
+                sent[r.me] += out.message.delta.numel()
+                assert by_name[out.to[0]].offer(out.message) == "accepted"
         for r in group:
-            mine = r.reduce()
-            sent[r.me] += mine.delta.numel() * len(r.targets())
+            [out] = r.due(now=0.0)
+            sent[r.me] += out.message.delta.numel() * len(out.to)
         assert all(total == 2 * (n - 1) * P // n for total in sent.values())
 
 
@@ -141,22 +255,23 @@ def test_a_missing_range_is_not_averaged_and_each_replica_carries_its_own_part()
     dead = group[2]
     sent = [r.submit(d, 8, now=0.0) for r, d in zip(group[:2], deltas, strict=False)]
     for parts in sent:
-        for owner, part in parts.items():
-            if owner != dead.me:
-                by_name[owner].offer(part)
+        for out in parts:
+            if out.to[0] != dead.me:
+                by_name[out.to[0]].offer(out.message)
     live = group[:2]
-    assert not live[0].can_reduce(now=0.4) and live[0].can_reduce(now=0.5)  # half the deadline
+    assert not live[0].due(now=0.4) and live[0].deadline() == 0.5
     for r in live:
-        mine = r.reduce()
-        for peer in r.targets():
+        [out] = r.due(now=0.5)  # half the deadline: averaged without the dead one's part
+        for peer in out.to:
             if peer != dead.me:
-                by_name[peer].offer(mine)
+                by_name[peer].offer(out.message)
     assert not live[0].can_close(now=0.9) and live[0].can_close(now=1.0)
     assert live[0].can_close(now=0.0, gone={dead.me})  # a peer known gone is not waited for
     closed = [r.close() for r in live]
-    lo, hi = partition(P, [r.me for r in group])[dead.me]
+    lo, hi = flat_range([r.me for r in group], dead.me)
     assert closed[0].state.version.hash == closed[1].state.version.hash
-    assert closed[0].missing == 1 and closed[0].state.version.samples == 0  # no complete average: no samples
+    # samples count per value averaged: the two thirds of the vector averaged from 8 + 8
+    assert closed[0].missing == ((lo, hi),) and closed[0].state.version.samples == 16 * (P - (hi - lo)) // P
     torch.testing.assert_close(closed[0].state.params[lo:hi], base[lo:hi])  # not averaged there
     torch.testing.assert_close(closed[0].state.params[:lo], base[:lo] + (deltas[0][:lo] + deltas[1][:lo]) / 2)
     for c, d in zip(closed, deltas, strict=False):  # each keeps its own work there, to send next round
@@ -168,17 +283,18 @@ def test_a_missing_range_is_not_averaged_and_each_replica_carries_its_own_part()
 
 def test_a_joiner_owns_no_range_until_it_has_contributed():
     a, b, joiner = replicas(3)
-    for r in (a, b):  # the joiner fetched their state: announced, not synced
+    for r in (a, b):  # the joiner fetched their state: announced, not synced, and not one of theirs
+        r.expected.discard(joiner.me)
         r.note_version(joiner.me, r.state.version, synced=False)
     joiner.synced = False
     joiner.expected = {a.me, b.me}
     exchange([a, b, joiner], [torch.full((P,), 0.1), torch.full((P,), 0.2), torch.full((P,), 0.3)], [8, 8, 8])
-    assert joiner.range is None and a.group == b.group == joiner.group == sorted([a.me, b.me])
+    assert joiner.me not in joiner.group and a.group == b.group == joiner.group == sorted([a.me, b.me])
     closed = [r.close() for r in (a, b, joiner)]
     assert len({c.state.version.hash for c in closed}) == 1 and closed[0].state.version.samples == 24
     a.submit(torch.zeros(P), 8, now=1.0)
     joiner.submit(torch.zeros(P), 8, now=1.0)
-    assert joiner.me in a.group and joiner.range is not None  # a member now, on both sides
+    assert joiner.me in a.group and joiner.me in joiner.group  # a member now, on both sides
 
 
 def test_nesterov_outer_step_matches_its_formula_and_carries_momentum():
@@ -204,8 +320,7 @@ def test_nesterov_outer_step_matches_its_formula_and_carries_momentum():
 def close_alone(r: Replica, delta: torch.Tensor, now: float = 0.0):
     """A round in which nothing from the peers arrives: it closes at the deadline."""
     r.submit(delta, 8, now)
-    if r.range is not None:
-        r.reduce()
+    r.due(now + r.cfg.wait / 2)
     return r.close()
 
 
@@ -223,7 +338,7 @@ def close_alone(r: Replica, delta: torch.Tensor, now: float = 0.0):
 def test_bad_parts_and_ranges_are_refused_and_counted(bad, reason, kind):
     me, peer = replicas(2)
     me.submit(torch.zeros(P), 8, now=0.0)
-    lo, hi = me.range if kind == "part" else partition(P, [me.me, peer.me])[peer.me]
+    lo, hi = flat_range(me.group, me.me if kind == "part" else peer.me)
     base = peer.state.version.hash
     message = (Part(peer.me, 0, base, 8, lo, hi, torch.zeros(hi - lo)) if kind == "part" else
                Reduced(peer.me, 0, base, lo, hi, Contributors.of(me.group, [me.me, peer.me]), 16, torch.zeros(hi - lo)))
@@ -251,7 +366,7 @@ def test_contributors_travel_as_a_bitmap_over_the_group():
 def test_a_reduced_range_needs_contributors_of_its_group(who, reason):
     me, peer = replicas(2)
     me.submit(torch.zeros(P), 8, now=0.0)
-    lo, hi = partition(P, [me.me, peer.me])[peer.me]
+    lo, hi = flat_range(me.group, peer.me)
     message = Reduced(peer.me, 0, me.state.version.hash, lo, hi, who(me.group), 16, torch.zeros(hi - lo))
     assert reason in me.offer(message) and me.counters.rejected == 1
 
@@ -268,13 +383,13 @@ def test_stale_and_late_rounds_are_dropped():
 def test_a_part_that_comes_after_its_range_was_averaged_is_late_and_its_sender_carries_it():
     me, peer = replicas(2)
     me.submit(torch.zeros(P), 8, now=0.0)
-    peer_parts = peer.submit(torch.ones(P), 8, now=0.0)
-    mine = me.reduce()  # half the deadline passed: averaged without the peer's part
-    assert me.offer(peer_parts[me.me]) == "late"
-    peer.offer(mine)
-    peer.reduce()
+    [peer_part] = peer.submit(torch.ones(P), 8, now=0.0)
+    [mine] = me.due(now=0.5)  # half the deadline passed: averaged without the peer's part
+    assert me.offer(peer_part.message) == "late"
+    peer.offer(mine.message)
+    peer.due(now=0.5)
     closed = peer.close()
-    lo, hi = me.range
+    lo, hi = flat_range(me.group, me.me)
     assert closed.carry[lo:hi].eq(1).all() and not closed.carry[:lo].any() and not closed.carry[hi:].any()
 
 
@@ -282,13 +397,13 @@ def test_a_part_on_another_base_is_never_averaged_in():
     me, peer = replicas(2)
     me.expected = {peer.me}
     assert me.offer(Part(peer.me, 0, "f" * 64, 8, 0, P, torch.ones(P))) == "held"
-    assert peer.me not in me.expected  # and the round does not wait for it
     me.submit(torch.zeros(P), 8, now=0.0)
-    assert me.group == [me.me] and me.can_reduce(now=0.0)
-    me.reduce()
-    assert me.can_close(now=0.0)
+    # still a member this round (its peers may not have heard what it is on yet, and must lay out the
+    # same group): waited for until the deadline, and then out of the next group
+    assert me.group == sorted([me.me, peer.me]) and not me.due(now=0.4) and len(me.due(now=0.5)) == 1
+    assert not me.can_close(now=0.9) and me.can_close(now=1.0)
     closed = me.close()
-    assert closed.contributors == [me.me]
+    assert closed.contributors == [me.me] and me.expected == set()
     torch.testing.assert_close(closed.state.params, replicas(1)[0].state.params)
 
 
@@ -370,9 +485,8 @@ class Sim:
         if r.me in self.dead or self.training.get(r.me) != token:
             return
         self.local[r.me] += torch.randn(P, generator=self.gen) * 0.01
-        parts = r.submit(self.local[r.me] - r.state.params, 16, self.now)
-        for owner, part in parts.items():
-            self.at(self.latency, self.deliver, owner, part)
+        for out in r.submit(self.local[r.me] - r.state.params, 16, self.now):
+            self.at(self.latency, self.deliver, out.to[0], out.message)
         self.at(r.cfg.wait / 2, self.try_close, r)
         self.at(r.cfg.wait, self.try_close, r)
         self.try_close(r)
@@ -383,16 +497,15 @@ class Sim:
     def deliver(self, name: str, message: Part | Reduced) -> None:
         if name not in self.dead:
             r = self.replica(name)
-            r.offer(message)
+            r.offer(message, self.now)
             self.try_close(r)
 
     def try_close(self, r: Replica) -> None:
         if r.me in self.dead:
             return
-        if r.can_reduce(self.now):
-            mine = r.reduce()
-            for peer in r.targets():
-                self.at(self.latency, self.deliver, peer, mine)
+        for out in r.due(self.now):
+            for peer in out.to:
+                self.at(self.latency, self.deliver, peer, replace(out.message, sender=r.me))
         if not r.can_close(self.now):
             return
         ready = r.ready_at

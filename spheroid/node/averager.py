@@ -1,9 +1,10 @@
 """The asyncio side of a block's averaging rounds: it moves parts and averaged ranges between the
 `Replica` (spheroid/averaging.py, which decides everything) and the same-block peers.
 
-One round: submit this node's update, stream each part to the member owning its range, average
-this node's range once its parts are in (or half the deadline passed) and stream the result to
-the group, then close when every range is in (or the deadline passed). A node's training loop
+One round: submit this node's update, stream each part to the member owning its range, then
+send whatever the replica says is due (the averages of the ranges this node owns, once their parts
+are in or their stage's time has come, and the cells it passes on), and close when every cell is
+in (or the deadline passed). A node's training loop
 (worker.py) calls `round`; bench/averaging.py calls it with synthetic updates to time it.
 """
 
@@ -39,15 +40,15 @@ class Averager:
         """One round with this node's update; the closed round, or None if `interrupt()` became true
         first (a preferred state to adopt: the round was on the old one)."""
         parts = self.replica.submit(delta, samples, time.monotonic())
-        self.sends = [self.node.spawn(self._send(owner, part)) for owner, part in parts.items()]
+        self.sends = [self.node.spawn(self._send(out.to[0], out.message)) for out in parts]
         while True:
             self.changed.clear()
             if interrupt():
                 return None
             now = time.monotonic()
-            if self.replica.can_reduce(now):
-                self.sends.append(self.node.spawn(self._broadcast(self.replica.reduce(), self.replica.targets())))
-            gone = {p for p in self.replica.ranges if p != self.node.id and not self.connected(p)}
+            for out in self.replica.due(now):
+                self.sends.append(self.node.spawn(self._broadcast(out.message, out.to)))
+            gone = {p for p in self.replica.group if p != self.node.id and not self.connected(p)}
             if self.replica.can_close(now, gone):
                 return self.replica.close()
             with contextlib.suppress(TimeoutError):
@@ -62,23 +63,25 @@ class Averager:
         conn = self.node.conns.get(peer)
         return conn is not None and not conn.closed
 
-    async def _broadcast(self, mine: Reduced, peers: list[str]) -> None:
-        """This node's averaged range to each of `peers`, encoded once for all of them."""
+    async def _broadcast(self, what: Reduced, peers: tuple[str, ...]) -> None:
+        """An average to each of `peers`, encoded once for all of them."""
+        if len(peers) == 1:
+            return await self._send(peers[0], what)
         raw = self.codec == "raw" and self.compression == "none"  # (encoding only copies: no thread)
-        encoded = (encode_stream(mine.delta) if raw else
-                   await asyncio.to_thread(encode_stream, mine.delta, self.codec, self.compression))
-        await asyncio.gather(*(self._send(peer, mine, encoded) for peer in peers))
+        encoded = (encode_stream(what.delta) if raw else
+                   await asyncio.to_thread(encode_stream, what.delta, self.codec, self.compression))
+        await asyncio.gather(*(self._send(peer, what, encoded) for peer in peers))
 
     async def _send(self, peer: str, what: Part | Reduced, encoded: Encoded | None = None) -> None:
-        """A part of this node's update to the owner of its range, or this node's averaged range to a
-        peer (`encoded`: its delta, already encoded)."""
+        """A part of this node's update, or an average, to a peer (`encoded`: its delta, already
+        encoded)."""
         conn = self.node.conns.get(peer)
         if conn is None:
             return  # gone: its range is missing this round, or it will miss this one
         with contextlib.suppress(PeerGone):
             stream = await conn.send_tensor(what.delta if encoded is None else encoded, self.codec, self.compression)
             fields = {"block": self.block, "round": what.round, "base": what.base, "samples": what.samples,
-                      "lo": what.lo, "hi": what.hi, "stream": stream}
+                      "lo": what.lo, "hi": what.hi, "age": what.age, "stream": stream}
             if isinstance(what, Part):
                 await conn.send(messages.Update(**fields))
             else:
@@ -90,7 +93,8 @@ class Averager:
             log.warning("update from %s is for block %d; this node trains block %d", conn.label[:8], msg.block,
                         self.block)
             return
-        self.replica.offer(Part(conn.label, msg.round, msg.base, msg.samples, msg.lo, msg.hi, msg.tensor))
+        self.replica.offer(Part(conn.label, msg.round, msg.base, msg.samples, msg.lo, msg.hi, msg.tensor,
+                                age=msg.age), time.monotonic())
         self.changed.set()
 
     async def on_reduced(self, conn: Connection, msg: messages.Message) -> None:
@@ -99,5 +103,6 @@ class Averager:
                         conn.label[:8], msg.block)
             return
         who = Contributors(msg.group, msg.members, tuple(msg.others))
-        self.replica.offer(Reduced(conn.label, msg.round, msg.base, msg.lo, msg.hi, who, msg.samples, msg.tensor))
+        self.replica.offer(Reduced(conn.label, msg.round, msg.base, msg.lo, msg.hi, who, msg.samples, msg.tensor,
+                                   age=msg.age), time.monotonic())
         self.changed.set()

@@ -11,7 +11,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,6 +36,7 @@ from ..wire.messages import (
     StateGet,
     Status,
 )
+from ..wire.session import is_node_id
 from .accounting import Traffic
 from .connection import Connection, PeerGone, PeerRefused, PeerSilent, dial
 from .node import open_session, ssl_contexts
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 
 # what a spheroid node's hello can be refused for; any other error before it means another protocol
 HANDSHAKE_REFUSALS = {"version", "swarm", "auth_required", "auth_failed", "self", "handshake"}
+MAX_MEMBERS = 1 << 16  # node ids a state transfer may name as the group of its next round
 
 
 async def connect(addr: str, cfg: NodeConfig, secret: bytes | None = None, handler=None) -> Connection:
@@ -183,7 +185,12 @@ async def request_state(conn: Connection, block: int, n_params: int | None = Non
         n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data, block).parameters())
     version = Version(reply.round, reply.samples, reply.hash)
     if reply.since is None:
-        return run_cfg, SharedState.unpack(version, reply.tensor, n_params)
+        state = SharedState.unpack(version, reply.tensor, n_params)
+        if reply.members is not None:
+            if len(reply.members) > MAX_MEMBERS or not all(is_node_id(m) for m in reply.members):
+                raise ValueError(f"its group is not a list of at most {MAX_MEMBERS} node ids")
+            state = replace(state, members=tuple(reply.members))
+        return run_cfg, state
     delta = reply.tensor
     if reply.since != since:
         raise ValueError(f"a change since state {reply.since[:12]}, which this node did not ask for")

@@ -437,6 +437,7 @@ class BlockWorker:
         """Stream this node's state; or, asked for the change since a state it still has in a lossy
         codec, that change (parameters only: a reader has no use for the outer momentum)."""
         state = self.replica.state  # a snapshot: rounds replace the state object, never mutate it
+        members = self.replica.members()  # (the group of the round that starts from it)
         known = {**self.recent, self.genesis[0]: self.genesis[1]}
         base = known.get(msg.since) if msg.codec in DELTA_CODECS else None
         self.serving += 1
@@ -446,7 +447,8 @@ class BlockWorker:
             else:
                 stream = await conn.send_tensor(state.params - base, CODECS[msg.codec], "lz4")
             await conn.send(messages.StateReply(re=msg.id, block=self.block, **state.version.to_wire(), stream=stream,
-                                                config=self.cfg.to_dict(), since=None if base is None else msg.since))
+                                                config=self.cfg.to_dict(), since=None if base is None else msg.since,
+                                                members=members if base is None else None))
             self.served += 1
         except PeerGone as exc:
             log.info("state transfer to %s stopped: %s", conn.label[:8], exc)

@@ -19,7 +19,7 @@ import torch
 
 from .errors import ProtocolError
 
-VERSION = 5
+VERSION = 6
 
 # kind of each field; a trailing "?" marks it optional
 SCHEMAS: dict[str, dict[str, str]] = {
@@ -45,20 +45,21 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "probe": {"streams": "list"},
     "probe_reply": {"elements": "uint", "bytes": "uint"},
     # averaging same-block updates (spheroid/averaging.py), a butterfly all-reduce: "update" is the
-    # part [lo, hi) of the sender's update, for the member that owns that range; "reduced" is that
-    # owner's average of the range. The tensor travels first as a stream on the same connection,
-    # then the message that names it
+    # part [lo, hi) of the sender's update, for the member that owns that range; "reduced" is an
+    # average of parts of a range (a cell's, or in large groups a row's on its way to the cell's
+    # owner); "age" is how long the sender's round had run. The tensor travels first as a stream on
+    # the same connection, then the message that names it
     "version": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "synced": "bool"},
     "update": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
-               "stream": "uint"},
+               "age": "float", "stream": "uint"},
     "reduced": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
-                "group": "bin", "members": "bin", "others": "list", "stream": "uint"},
+                "group": "bin", "members": "bin", "others": "list", "age": "float", "stream": "uint"},
     # a state transfer; with "since" (the hash of a state the requester holds) and "codec", the
     # responder may send the parameters' change since that state instead, in that codec, and says so
-    # with "since" in its reply
+    # with "since" in its reply; "members" is the group of the round that starts from the state
     "state_get": {"block": "uint", "since": "str?", "codec": "str?"},
     "state_reply": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "stream": "uint",
-                    "config": "map", "since": "str?"},
+                    "config": "map", "since": "str?", "members": "list?"},
     # serving (spheroid/node/serving.py): a client asks any node, which coordinates; activations go
     # hop to hop along the route, never through the client
     "generate": {"prompt": "bin", "n_bytes": "uint", "mode": "str", "k": "uint", "temperature": "float",
