@@ -96,7 +96,7 @@ async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
             closed = await averager.round(delta, 8)
             cpu += time.process_time()
             rounds.append({"start": start, "end": time.time(), "contributors": len(closed.contributors),
-                           "missing": closed.missing, "hash": closed.state.version.hash})
+                           "missing": len(closed.missing), "hash": closed.state.version.hash})
         cpu -= time.process_time()
         await averager.flush()
         sent, cpu = node.traffic.totals()["sent"]["wire_bytes"] - sent, cpu + time.process_time()

@@ -1,21 +1,28 @@
 """A large swarm's averaging rounds, simulated: spheroid/averaging.py under a fake clock and network.
 
 N nodes train B blocks (N / B replicas each). Each node is a `Replica` (the same sans-I/O code a
-node runs); "training" a round takes the node's compute time (stragglers take 5 times as long)
-and adds a seeded increment. Every message (a part, a reduced range, a version, a state transfer)
-arrives after the link's latency plus its size over the bandwidth, unless the two nodes are on
-different sides of the partition or the receiver has left. A node that leaves is gone at once to
-its peers (its connections close); a partitioned peer is not (it is waited for until the
-deadline). Churn: every simulated minute a fraction of the nodes leaves and as many fresh ones
-join with no state; a joiner hears the versions of the live same-block nodes after a gossip delay
-and fetches the preferred state from one holder, as a node does. One partition splits every block
-in two halves for a while and then heals.
+node runs); "training" a round takes the node's compute time (stragglers take 5 times as long; the
+others 0.9 to 1.1 times `compute_s`) and adds a seeded increment. Every message (a part, an average,
+a version, a state transfer) arrives after the link's latency plus its size over the bandwidth,
+unless the two nodes are on different sides of the partition or the receiver has left. Sizes count
+as if a block were `block_bytes` (the simulated vector is short: what is simulated is how many
+messages go where). A node that leaves is gone at once to its peers (its connections close); a
+partitioned peer is not (it is waited for until the deadline). Each node keeps standing
+connections to `links` random peers of its block; it announces its version on them and to the
+peers it averaged with in its last round (its row and column), and a node that fetches a
+preferred version announces it in turn, so versions spread from peer to peer, never to the whole
+block. Churn: every simulated minute a fraction of the nodes leaves and as many fresh ones join
+with no state; a joiner hears the versions of the live same-block nodes after a gossip delay and
+fetches the preferred state, with the group of its next round, from one holder, as a node does.
+One partition splits every block in two halves for a while and then heals.
 
-It reports (and writes as JSON): rounds closed; the share closed by their deadline; the share of
-rounds (a block's round among one group) whose complete closers agreed on one hash; rounds with a missing range; how
-long joiners took to their first round as members; the bytes and the peers each node sent to in a
-round (parts and ranges; versions and state transfers apart); and how many distinct states each
-block held at the end, after the swarm settled.
+It reports (and writes as JSON): rounds closed; the share closed by their deadline; that replicas
+that closed a round of one group with the same cells always hold the same state; of the replicas
+closing a round, and of the members of its main group, the share on its most common state, and
+that group's size; how long joiners took to their first round as members; the bytes (also over
+the block's size) and the peers each node sent to in a round (parts and averages; with versions
+and state transfers, the peers apart); and how many distinct states each block held at the end,
+after the swarm settled.
 
     python bench/simulate.py [--nodes 1000] [--blocks 4] [--minutes 6] [--out FILE]
 """
@@ -49,8 +56,9 @@ class Config:
     nodes: int = 1000
     blocks: int = 4
     params: int = 1024  # values per block (small: the message count, not their size, is what is simulated)
+    block_bytes: int = 16 << 20  # ... but sizes count as if a block were this big (4M float32 values)
     compute_s: float = 20.0  # one round's local steps
-    wait_s: float = 6.0  # the round deadline
+    wait_s: float = 10.0  # the round deadline (half of it, the first stage, covers the spread of compute times)
     latency_s: float = 0.05
     mbit: float = 100.0
     churn: float = 0.10  # of the nodes, leaving (and as many joining) per simulated minute
@@ -197,6 +205,10 @@ class Swarm:
         src.talked.setdefault(src.replica.round, set()).add(dst_name)
         self.at(self.cfg.latency_s + size * 8 / (self.cfg.mbit * 1e6), fn, dst, *args)
 
+    def data_bytes(self, values: torch.Tensor) -> int:
+        """What a message's values weigh on the wire: their share of a block of `block_bytes`."""
+        return values.numel() * self.cfg.block_bytes // self.cfg.params
+
     def train(self, m: Member) -> None:
         if not m.alive or self.now >= self.stop_at:
             return
@@ -208,7 +220,7 @@ class Swarm:
             return
         m.local += torch.randn(self.cfg.params, generator=self.rng) * 0.01
         for out in m.replica.submit(m.local - m.replica.state.params, 16, self.now):
-            self.send(m, out.to[0], out.message.delta.numel() * 4 + 64, self.deliver, out.message)
+            self.send(m, out.to[0], self.data_bytes(out.message.delta) + 64, self.deliver, out.message)
         if m.name in m.replica.group and m.first_member_round is None:
             m.first_member_round = self.now
         for stage in (1, 2, 3):  # (the replica's stages: averaging its rows' parts, its cells, closing)
@@ -226,7 +238,7 @@ class Swarm:
             return
         for out in r.due(self.now):
             who = out.message.contributors  # (a bitmap over the group, and the ids of the others)
-            size = out.message.delta.numel() * 4 + 80 + len(who.bits) + 34 * len(who.others)
+            size = self.data_bytes(out.message.delta) + 80 + len(who.bits) + 34 * len(who.others)
             message = replace(out.message, sender=m.name)  # (a cell passed on comes from its passer)
             for peer in out.to:
                 self.send(m, peer, size, self.deliver, message)
@@ -279,7 +291,7 @@ class Swarm:
             return False
         holder = self.members[pick_donor(m.name, [h.name for h in holders])]
         state = holder.replica.state
-        size = state.params.numel() * 4
+        size = self.data_bytes(state.params)
         self.send(holder, m.name, size + 34 * len(holder.replica.expected), self.fetched,
                   SharedState(state.version, state.params.clone(), members=tuple(holder.replica.members())),
                   averaging=False)
@@ -307,8 +319,14 @@ class Swarm:
             same_cells[c["block"], c["round"], c["group"], c["missing"]].add(c["hash"])
             if c["at"] <= self.stop_at:
                 rounds[c["block"], c["round"]].append(c)
-        main_group = [max(Counter(c["group"] for c in cs).items(), key=lambda kv: kv[1])[0] for cs in rounds.values()]
-        on_main = [max(Counter(c["hash"] for c in cs).values()) / len(cs) for cs in rounds.values() if len(cs) > 1]
+        main_group, on_main, members_on_main = [], [], []
+        for cs in rounds.values():
+            group = Counter(c["group"] for c in cs).most_common(1)[0][0]
+            state, n = Counter(c["hash"] for c in cs).most_common(1)[0]
+            members = [c for c in cs if c["group"] == group and c["node"] in group]
+            main_group.append(group)
+            on_main.append(n / len(cs))
+            members_on_main.append(sum(c["hash"] == state for c in members) / max(1, len(members)))
         joiners = [m for m in self.members.values() if m.joined > 0]
         caught = [m.first_member_round - m.joined for m in joiners if m.first_member_round is not None]
         per_round = [(b, len(peers)) for m in self.members.values() for b, peers in m.sent.values()]
@@ -324,8 +342,9 @@ class Swarm:
             # replicas that closed a round of one group with the same cells: one state each time
             "same_cells_same_state": sum(len(h) == 1 for h in same_cells.values()) / max(1, len(same_cells)),
             # of the replicas closing a round (while the swarm trains), the share that reached its
-            # most common state, and the size of the group most of them laid out
+            # most common state; of the members of the group most of them laid out, the same; its size
             "closers_on_the_main_state": {"mean": statistics.mean(on_main), "min": min(on_main)},
+            "members_on_the_main_state": {"mean": statistics.mean(members_on_main), "min": min(members_on_main)},
             "main_group_size": {"median": statistics.median(len(g) for g in main_group),
                                 "min": min(len(g) for g in main_group)},
             "joiners": len(joiners),
@@ -334,7 +353,9 @@ class Swarm:
                                                "max": max(caught, default=None)},
             "bytes_sent_per_node_round": {"mean": statistics.mean(b for b, _ in per_round),
                                           "max": max(b for b, _ in per_round)},
-            "block_bytes": cfg.params * 4,
+            "block_bytes": cfg.block_bytes,
+            "bytes_sent_per_node_round_over_block": {"mean": statistics.mean(b for b, _ in per_round) / cfg.block_bytes,
+                                                     "max": max(b for b, _ in per_round) / cfg.block_bytes},
             "state_fetches": self.fetches,
             "version_and_state_bytes_per_node_minute": self.other_bytes / cfg.nodes / (self.now / 60.0),
             "peers_per_node_round": {"mean": statistics.mean(p for _, p in per_round),

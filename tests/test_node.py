@@ -313,3 +313,35 @@ def test_gossip_slows_down_while_membership_is_settled_and_speeds_up_when_it_cha
                 await n.stop()
 
     asyncio.run(main())
+
+
+def test_a_node_reaches_a_peer_it_knows_from_gossip_but_is_not_connected_to(tmp_path):
+    """A large averaging group needs peers beyond a node's standing connections: `reach` dials them
+    at the address gossip gave (once, however many sends wait), and says None for a stranger."""
+
+    async def scenario() -> tuple:
+        def config(name: str, *peers: str) -> NodeConfig:
+            return NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / f"{name}.json"),
+                              peers=peers, max_peers=1)
+
+        hub = Node(config("hub"), load_or_create(str(tmp_path / "hub.json")))
+        await hub.start()
+        a = Node(config("a", hub.cfg.listen), load_or_create(str(tmp_path / "a.json")))
+        c = Node(config("c", hub.cfg.listen), load_or_create(str(tmp_path / "c.json")))
+        await a.start()
+        await c.start()
+        try:
+            for _ in range(100):
+                await a.gossip_once()
+                if c.id in a.known:
+                    break
+                await asyncio.sleep(0.1)
+            before = c.id in a.conns
+            conns = await asyncio.gather(a.reach(c.id), a.reach(c.id))
+            return before, [x.label if x else None for x in conns], await a.reach("ef" * 16), c.id
+        finally:
+            for n in (a, c, hub):
+                await n.stop()
+
+    before, labels, stranger, c = asyncio.run(scenario())
+    assert not before and labels == [c, c] and stranger is None

@@ -152,7 +152,7 @@ def _update_frames(status: dict, delta: torch.Tensor, **fields) -> bytes:
     ids = itertools.count(100)
     frames = b"".join(o.frame for o in stream_frames(delta, 1, lambda: next(ids)))
     message = {"t": "update", "id": 99, "block": 0, "round": t["round"], "base": t["version"]["hash"],
-               "samples": 8, "lo": 0, "hi": t["params"], "stream": 1, **fields}
+               "samples": 8, "lo": 0, "hi": t["params"], "age": 0.0, "stream": 1, **fields}
     # then something the node refuses, so it answers and closes and the exchange ends at once
     return frames + encode(message) + encode({"t": "no_such_type", "id": 1000})
 
@@ -167,7 +167,7 @@ def test_bad_updates_from_the_wire_are_rejected_and_the_node_keeps_training(swar
     handshake_then(node.addr, _update_frames(status, torch.zeros(n), round=0, base="0" * 64))
     handshake_then(node.addr, _update_frames(status, torch.zeros(n), round=10**6))
     got = handshake_then(node.addr, encode({"t": "update", "id": 5, "block": 0, "round": 1, "base": "x",
-                                            "samples": 1, "lo": 0, "hi": n, "stream": 42}))  # names no stream
+                                            "samples": 1, "lo": 0, "hi": n, "age": 0.0, "stream": 42}))  # names no stream
     assert got[-1]["t"] == "error" and got[-1]["code"] == "bad_stream"
     counters = wait_until(lambda: (c := training(node)["counters"])["rejected"] + c["late"] >= 4 and c, 30,
                           "the rejections to be counted")

@@ -154,6 +154,7 @@ class Node:
         self.started = time.monotonic()
         self.boot = os.urandom(8)  # tells peers a restarted node from a second connection of this one
         self._dialing: set[str] = set()
+        self._reaching: dict[str, asyncio.Task] = {}  # node id -> the dial that reach() waits on
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
@@ -270,6 +271,17 @@ class Node:
             return conn if await admitted else None
         finally:
             self._dialing.discard(addr)
+
+    async def reach(self, node: str) -> Connection | None:
+        """A connection to a peer: the open one, or one dialled at the address gossip gave for it (a
+        node can average with more peers than it keeps connected); None if neither works."""
+        conn = self.conns.get(node)
+        if conn is None and node in self.known and self.known[node].addr:
+            if node not in self._reaching:  # (one dial for all the sends waiting on it)
+                self._reaching[node] = self.spawn(self.dial(self.known[node].addr))
+                self._reaching[node].add_done_callback(lambda _: self._reaching.pop(node, None))
+            conn = await asyncio.shield(self._reaching[node])
+        return conn if conn is not None and conn.label == node and not conn.closed else None
 
     async def _admit(self, conn: Connection, admitted: asyncio.Future | None = None) -> None:
         """Handshake (within the deadline), register, then serve the connection until it ends."""
