@@ -166,8 +166,8 @@ def test_bad_updates_from_the_wire_are_rejected_and_the_node_keeps_training(swar
     handshake_then(node.addr, _update_frames(status, torch.zeros(n + 1)))
     handshake_then(node.addr, _update_frames(status, torch.zeros(n), round=0, base="0" * 64))
     handshake_then(node.addr, _update_frames(status, torch.zeros(n), round=10**6))
-    got = handshake_then(node.addr, encode({"t": "update", "id": 5, "block": 0, "round": 1, "base": "x",
-                                            "samples": 1, "lo": 0, "hi": n, "age": 0.0, "stream": 42}))  # names no stream
+    got = handshake_then(node.addr, encode({"t": "update", "id": 5, "block": 0, "round": 1, "base": "x", "samples": 1,
+                                            "lo": 0, "hi": n, "age": 0.0, "stream": 42}))  # names no stream
     assert got[-1]["t"] == "error" and got[-1]["code"] == "bad_stream"
     counters = wait_until(lambda: (c := training(node)["counters"])["rejected"] + c["late"] >= 4 and c, 30,
                           "the rejections to be counted")
