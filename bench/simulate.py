@@ -67,7 +67,7 @@ class Config:
     links: int = 8  # same-block peers a node connects to when it starts (and is connected to by later ones)
     minutes: float = 6.0
     partition: tuple[float, float] = (120.0, 180.0)  # seconds: every block split in two halves
-    settle_s: float = 60.0  # after the last round starts: no training, versions settle
+    settle_s: float = 150.0  # then no training starts (a straggler may still finish a round); versions settle
     seed: int = 0
 
 
