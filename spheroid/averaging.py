@@ -662,12 +662,11 @@ class Replica:
         return decoded
 
     def _row_targets(self) -> list[str]:
-        """Who gets the cells this replica sends or passes on: its row, the others whose parts came
-        to it (joiners assigned to its row), and the peers in its row that announced its version (a
-        joiner on it gets the round's result, and so is in step for the next), itself aside."""
-        on_this_state = {p for p, (version, _) in self.announced.items()
-                         if version == self.state.version and self.layout.row_of(p) == self.row}
-        return sorted((set(self.layout.rows[self.row]) | self.senders | on_this_state) - {self.me})
+        """Who gets the cells this replica sends or passes on: its row, and the others whose parts
+        came to it, in time or late (joiners assigned to its row: they get the round's result, so
+        are on its state for the next), itself aside. A peer that sent no part gets none: it fetches
+        the state when it wants it."""
+        return sorted((set(self.layout.rows[self.row]) | self.senders) - {self.me})
 
     def _own_cells(self) -> list[tuple[int, int]]:
         return [self.layout.cells[c][self.row] for c in self.mine]
