@@ -125,8 +125,9 @@ class TrainConfig:
     refresh_every: int = 0
     # how a swarm node refreshes its copies of the earlier blocks: "fp32", verified float32 snapshots;
     # "int8", "int4", "fp16" or "bf16", the change since the copy it holds, in that codec (lz4 on top), with a
-    # verified snapshot again after MAX_DELTAS such changes (spheroid/node/worker.py)
+    # verified snapshot again after `refresh_snapshot_every` such changes (spheroid/node/worker.py)
     refresh_codec: str = "fp32"
+    refresh_snapshot_every: int = 8
     # mixed chunk sizes: each batch trains under the chunk mask of a K drawn uniformly from these, so
     # one checkpoint serves ar (K = 1), sweeps and drafts; empty = always the model's chunk
     chunks: tuple[int, ...] = ()
@@ -135,8 +136,9 @@ class TrainConfig:
         object.__setattr__(self, "chunks", tuple(self.chunks))  # a JSON list reads back as a list
         if any(not isinstance(k, int) or k < 1 for k in self.chunks):
             raise ValueError(f"chunks must be sizes of at least 1, got {list(self.chunks)}")
-        if self.refresh_every < 0:
-            raise ValueError(f"refresh_every must be >= 0, got {self.refresh_every}")
+        if self.refresh_every < 0 or self.refresh_snapshot_every < 1:
+            raise ValueError(f"need refresh_every >= 0 and refresh_snapshot_every >= 1, got {self.refresh_every} "
+                             f"and {self.refresh_snapshot_every}")
         if self.refresh_codec not in REFRESH_CODECS:
             raise ValueError(f"refresh_codec must be one of {', '.join(REFRESH_CODECS)}, got {self.refresh_codec!r}")
         if self.block_input not in ("noised", "chain"):

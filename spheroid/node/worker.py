@@ -14,7 +14,7 @@ them. Their holders announce their versions to it too; it fetches the preferred 
 fetch its copy is the genesis state. The versions read go into the checkpoint and the status.
 With `refresh_codec` other than fp32 a refresh asks for the change since the copy it holds, in
 that codec: a holder keeps its last RECENT states to answer that, and the copy becomes close to
-the version, not exact, until a verified snapshot every MAX_DELTAS refreshes resets it.
+the version, not exact, until a verified snapshot every `refresh_snapshot_every` refreshes resets it.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ log = logging.getLogger(__name__)
 MAX_SERVING = 2  # state transfers a donor runs at once; more requesters are told to try another holder
 DELTA_CODECS = REFRESH_CODECS[1:]  # codecs a holder sends a change since a state in (all but fp32)
 RECENT = 4  # states a holder keeps, to send a reader the change since the one it holds
-MAX_DELTAS = 8  # refreshes by change in a row before a reader fetches a verified snapshot again
 HISTORY = 50  # rounds kept in the status
 JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer,
 JOIN_SETTLE_S = 0.5  # then listens this long for versions before it picks a donor
@@ -106,12 +105,13 @@ class Upstream:
     `refresh` fetches, in the background, each earlier block whose preferred announced version is not
     the one held, at most every `every` steps; `apply` swaps the fetched ones in between training
     chunks (the training thread reads the copies). With a `codec` other than fp32 it asks for the
-    change since the version it holds, and takes a verified snapshot after MAX_DELTAS changes.
+    change since the version it holds, and takes a verified snapshot after `snapshot_every` changes.
     """
 
-    def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int, codec: str = "fp32"
-                 ) -> None:
+    def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int, codec: str = "fp32",
+                 snapshot_every: int = 8) -> None:
         self.node, self.block, self.earlier, self.every, self.codec = node, block, earlier, every, codec
+        self.snapshot_every = snapshot_every
         self.announced: dict[int, dict[str, Version]] = {b: {} for b in range(block)} if earlier else {}
         # the version of each copy: at first its genesis parameters (hashed alone), which holders
         # keep, so that a first refresh by change needs no snapshot either
@@ -154,7 +154,7 @@ class Upstream:
         for b, holders in wanted.items():
             n_params = sum(p.numel() for p in self.earlier.blocks[b].parameters())
             held = self.held.get(b)
-            change = self.codec != "fp32" and held is not None and self.deltas.get(b, 0) < MAX_DELTAS
+            change = self.codec != "fp32" and held is not None and self.deltas.get(b, 0) < self.snapshot_every
             before = self._received(holders)
             got = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg,
                                    held.hash if change else None, self.codec if change else None)
@@ -198,7 +198,7 @@ class BlockWorker:
         self.module, self.loss_fn, self.earlier = block_trainer(cfg, block, None, torch.device("cpu"))
         self.opt = make_optimizer(self.module, cfg)
         self.upstream = Upstream(node, block, self.earlier, cfg.train.refresh_every or averaging.every,
-                                 cfg.train.refresh_codec)
+                                 cfg.train.refresh_codec, cfg.train.refresh_snapshot_every)
         # each replica draws its own batches and noise
         node_seed = int(node.id[:8], 16)
         self.gen = torch.Generator().manual_seed(cfg.train.seed ^ node_seed)
