@@ -223,9 +223,8 @@ class Swarm:
             self.send(m, out.to[0], self.data_bytes(out.message.delta) + 64, self.deliver, out.message)
         if m.name in m.replica.group and m.first_member_round is None:
             m.first_member_round = self.now
-        for stage in (1, 2, 3):  # (the replica's stages: averaging its rows' parts, its cells, closing)
-            self.at(self.cfg.wait_s * stage / 3, self.try_close, m)
-        self.at(self.cfg.wait_s / 2, self.try_close, m)  # (the first stage of a group in one row)
+        for share in (0.5, 0.75, 1.0):  # (the replica's stages: averaging its rows' parts, its cells, closing)
+            self.at(self.cfg.wait_s * share, self.try_close, m)
 
     def deliver(self, m: Member, message: Part | Reduced) -> None:
         if m.alive:

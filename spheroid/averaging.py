@@ -9,17 +9,18 @@ as one flat vector, the outer momentum when the outer step has one, and a `Versi
      the vector into one contiguous range per member. Each replica sends the part of its update in
      member m's range to m (a `Part`, tagged with the round, the starting point's hash and the
      samples behind it). The owner checks every part (size, finite, norm against the other parts),
-     and at `wait / 2` after its own update was ready, or when every member's part is in, averages
-     them weighted by samples: its range's `Reduced`;
+     and at `wait / 2` after the round's start, or when every member's part is in, averages them
+     weighted by samples: its range's `Reduced`;
   3. all-gather: each owner sends its `Reduced` to the group and to any other contributor, and each
-     replica closes the round when every range has come in, or `wait` after its own update was
-     ready, whichever is first: it applies the outer step to the assembled average and so gets the
-     next shared starting point.
+     replica closes the round when every range has come in, or `wait` after the round's start,
+     whichever is first: it applies the outer step to the assembled average and so gets the next
+     shared starting point. A round starts when the replica's update is ready, or earlier (by up to
+     `wait / 2`) when a member's message of the round says its sender's round started earlier.
 
 So a node sends 2 (n - 1) / n of the vector per round whatever the number n of replicas, where
 sending the whole update to every peer costs n - 1 vectors. A group larger than
 `AveragingConfig.flat` does the same in two levels (`Layout`): in rows of about sqrt(n) members
-and then in columns, at `wait / 3` and `2 wait / 3`, so that a member exchanges with about
+and then in columns, at `wait / 2` and `3 wait / 4`, so that a member exchanges with about
 2 sqrt(n) peers, not n - 1, and still sends about two vectors. Replicas that received the same
 cells compute bit-identical states: each cell was averaged once, by its owner, and passed through
 the wire codec before anyone, its owner too, used it (in two levels twice, since the column owners
@@ -197,7 +198,7 @@ class Layout:
     def of(cls, group: list[str], n_params: int, flat: int) -> Layout:
         members = sorted(group)
         n = len(members)
-        n_rows = 1 if n <= flat else math.isqrt(n)
+        n_rows = 1 if n <= flat or n_params < 4 * n else math.isqrt(n)  # (two levels: every cell has values)
         rows = tuple(tuple(members[a:b]) for a, b in split(0, n, n_rows))
         columns = tuple(split(0, n_params, len(rows[-1])))
         cells = tuple(tuple(split(lo, hi, n_rows)) for lo, hi in columns)
@@ -368,7 +369,7 @@ class Replica:
     def __post_init__(self) -> None:
         self.announced: dict[str, tuple[Version, bool]] = {}  # peer -> (its version, reached by a round?)
         self.owed: torch.Tensor | None = None  # (P,) error feedback: what the codec lost of ranges averaged here
-        self.heard_at: dict[int, float] = {}  # round -> when its first message came (the round's start)
+        self.owed_rows: torch.Tensor | None = None  # (P,) ... and of the row averages sent from here (two levels)
         self._start_round()
 
     def _start_round(self) -> None:
@@ -392,12 +393,12 @@ class Replica:
         self.ready_at: float | None = None  # when this replica's own update was in
         self.start: float | None = None  # the round's start: then, or its first message if earlier
         self.given_up: set[tuple[int, int]] = set()  # cells owned that came due too late to send
-        self.heard_at = {k: t for k, t in self.heard_at.items() if k >= self.round}
         held = getattr(self, "held", {})
-        # for the next round, before submit, or on another base: maybe later (by kind, sender and range)
-        self.held: dict[tuple, Part | Reduced] = {}
-        for message in held.values():
-            self.offer(message)
+        # for the next round, before submit, or on another base: maybe later (by kind, sender and
+        # range, with when each came)
+        self.held: dict[tuple, tuple[Part | Reduced, float | None]] = {}
+        for message, at in held.values():
+            self.offer(message, at)
 
     @property
     def round(self) -> int:
@@ -426,8 +427,7 @@ class Replica:
         self.column_at = {column: c for c, column in enumerate(self.layout.columns)}
         self.parts = {c: {} for c in self.mine}
         self.partials = {self.layout.cells[c][self.row]: {} for c in self.mine} if self.layout.two_level else {}
-        self.own, self.own_samples, self.ready_at = delta, samples, now
-        self.start = min(now, self.heard_at.get(self.round, now))
+        self.own, self.own_samples, self.ready_at, self.start = delta, samples, now, now
         out = []
         for c, (lo, hi) in enumerate(self.layout.columns):
             part = Part(self.me, self.round, self.state.version.hash, samples, lo, hi, delta[lo:hi],
@@ -437,15 +437,15 @@ class Replica:
             else:
                 out.append(Outgoing(part, (self.layout.owner(self.row, c),)))
         held, self.held = self.held, {}
-        for message in held.values():
-            self.offer(message)
+        for message, at in held.values():
+            self.offer(message, at)
         return out
 
     def offer(self, message: Part | Reduced, now: float | None = None) -> str:
         """A peer's part, row average or averaged cell, arrived at `now`: 'accepted', 'held' (a later
         round, before this replica's own update, or on another base), or why it was refused."""
         reason = self._check(message)
-        if now is not None and reason in (None, "next round", "before submit"):
+        if now is not None and reason is None:
             self._heard(message, now)
         if isinstance(message, Part) and message.round == self.round and reason in (None, "late"):
             self._joined(message.sender)
@@ -457,9 +457,7 @@ class Replica:
             self.counters.accepted += 1
             return "accepted"
         if reason in ("next round", "before submit", "other base"):
-            if len(self.held) < 4 * (len(self.expected) + 16):  # (bounded: a round's messages to one replica)
-                self.held[type(message).__name__, message.sender, message.lo, message.hi] = message
-            return "held"
+            return self._hold(message, now)
         if reason == "late":
             self.counters.late += 1
         else:
@@ -468,15 +466,28 @@ class Replica:
                     message.round, reason)
         return reason
 
+    def _hold(self, m: Part | Reduced, now: float | None) -> str:
+        """Keep a message for later (with when it came), a few per sender: a round's messages from one
+        peer are its parts, a row's average, and the cells of one column."""
+        key = type(m).__name__, m.sender, m.lo, m.hi
+        per_sender = math.isqrt(len(self.expected) + 1) + 3
+        if key not in self.held and sum(k[1] == m.sender for k in self.held) >= per_sender:
+            log.warning("%s from %s for round %d dropped: %d held from it already", type(m).__name__.lower(),
+                        m.sender[:8], m.round, per_sender)
+            return "too many held from this sender"
+        self.held[key] = (m, now)
+        return "held"
+
     def _heard(self, m: Part | Reduced, now: float) -> None:
-        """A message of a round arrived: that round started no later than its sender's start. The
-        earliest start spreads from peer to peer, so that replicas close about together and an
-        average sent by its stage's time reaches every replica before it closes. (A peer claiming
-        an older start can at worst make the stages come at once: its age counts up to `wait`.)"""
+        """A member's message of this round arrived: the round started no later than its sender's
+        start. The earliest start spreads from peer to peer, so that replicas close about together
+        and an average sent by its stage's time reaches every replica before it closes. But never more
+        than half of `wait` before this replica's own update was ready: a replica far ahead of the
+        others (or a peer claiming an old start) cannot make everyone else's stages come at once."""
+        if m.sender not in self.layout.where:
+            return
         age = min(max(m.age, 0.0), self.cfg.wait) if math.isfinite(m.age) else 0.0
-        self.heard_at[m.round] = min(now - age, self.heard_at.get(m.round, now))
-        if self.start is not None and m.round == self.round:
-            self.start = min(self.start, self.heard_at[m.round])
+        self.start = max(min(self.start, now - age), self.ready_at - self.cfg.wait / 2)
 
     def _joined(self, sender: str) -> None:
         """A part came from `sender`, which is on this replica's state, in time or late: it gets the
@@ -562,9 +573,9 @@ class Replica:
         row's in, or the second stage's), and the cells it passes on.
 
         After the last moment it averages nothing more: a cell sent then would reach some peers
-        after they closed and not others, and the states would differ. So a late
-        replica (its update ready long after the round's first message) leaves its cells missing,
-        as they are for everyone else, and closes on the same state as the others.
+        after they closed and not others, and the states would differ. A replica that finds itself
+        there (its peers' messages moved its start earlier, or it could not run in time) leaves its
+        cells missing, as they are for the peers that closed without them.
         """
         out, self.outbox = self.outbox, []
         if self.ready_at is None:
@@ -619,10 +630,18 @@ class Replica:
             self.sent_cells[lo, hi] = mine
             return [Outgoing(mine, tuple(self._row_targets()))]
         out = []
+        feedback = self.cfg.feedback and self.cfg.lossy
+        if feedback and self.owed_rows is None:
+            self.owed_rows = torch.zeros_like(self.state.params)
         for r, (a, b) in enumerate(self.layout.cells[c]):
             piece = Reduced(self.me, self.round, base, a, b, who, total, average[a - lo:b - lo])
+            if feedback:  # (as for cells: what the codec lost of this piece last time travels in it)
+                piece.delta.add_(self.owed_rows[a:b])
+            decoded = self.wire(piece.delta.contiguous())
+            if feedback:
+                torch.sub(piece.delta, decoded, out=self.owed_rows[a:b])
             if r == self.row:
-                self.partials[a, b][self.me] = replace(piece, delta=self.wire(piece.delta.contiguous()))
+                self.partials[a, b][self.me] = replace(piece, delta=decoded)
             else:
                 out.append(Outgoing(piece, (self.layout.owner(r, c),)))
         return out
@@ -686,12 +705,19 @@ class Replica:
         return self._due_at("close")
 
     def can_close(self, now: float, gone: set[str] = frozenset()) -> bool:
-        """Own cells averaged (or given up), and every cell in (or its owner gone), or the deadline."""
+        """Own cells averaged (or given up), and every cell in, or the deadline. A cell whose owner is
+        `gone` (its connection closed) is not waited for if it would have come from the owner itself;
+        one passed on by a column owner might still come (its owner may have sent it before going)."""
         if self.ready_at is None or self._pending():
             return False
         waiting = [1 for c, r, cell in self.layout.all_cells()
-                   if cell not in self.reduced and self.layout.owner(r, c) not in gone]
+                   if cell not in self.reduced and not (self.layout.owner(r, c) in gone and self._direct(c, r))]
         return not waiting or now >= self._due_at("close")
+
+    def _direct(self, c: int, r: int) -> bool:
+        """Whether column c's cell for row r comes to this replica from its owner (not passed on)."""
+        relay = self.layout.owner(self.row, c)
+        return relay in (self.me, self.layout.owner(r, c))
 
     def _sent(self, c: int) -> torch.Tensor:
         """This replica's part of column c as its owner decoded it."""
@@ -830,10 +856,10 @@ class Replica:
         rebased = state.params + progress
         self.state = state
         self.counters.adopted += 1
-        self.owed = None  # (errors of ranges averaged on the old state)
+        self.owed = self.owed_rows = None  # (errors of ranges averaged on the old state)
         named = set(state.members or ())
         self.synced = self.me in named
         self.expected = (named | self._in_step()) - {self.me}
-        self.held = {k: m for k, m in self.held.items() if m.round >= self.round}
+        self.held = {k: (m, at) for k, (m, at) in self.held.items() if m.round >= self.round}
         self._start_round()
         return rebased

@@ -26,6 +26,7 @@ from spheroid.averaging import (
 from spheroid.wire import through_codec
 
 P = 64
+PL = 256  # values of a block in tests of two levels (each of a group's cells has some)
 
 
 def start_state(seed: int = 0, nesterov: bool = False, p: int = P) -> SharedState:
@@ -96,6 +97,7 @@ def test_a_large_group_is_laid_out_in_rows_whose_cells_tile_the_vector():
     assert layout.owned(long[1]) == [1] and layout.owned(long[5]) == []  # a longer row's last owns none
     assert layout.owned("f" * 32) == [] and 0 <= layout.row_of("f" * 32) < 4  # a joiner owns nothing
     assert Layout.of(group, 1000, flat=23).rows == (tuple(group),)
+    assert Layout.of(group, 80, flat=16).rows == (tuple(group),)  # a block too small for cells of every row
 
 
 def test_average_is_exact_when_every_range_arrives():
@@ -123,35 +125,59 @@ def test_replicas_hold_what_their_peers_decode_through_a_lossy_codec():
     assert len({r.close().state.version.hash for r in group}) == 1
 
 
-@pytest.mark.parametrize("feedback", [False, True])
-def test_error_feedback_sends_what_rounding_lost_in_later_rounds(feedback):
+@pytest.mark.parametrize("n, flat, feedback", [(3, 16, False), (3, 16, True), (12, 4, True)])
+def test_error_feedback_sends_what_rounding_lost_in_later_rounds(n, flat, feedback):
     """int4 zeroes every value under 1/14 of its block's largest: without error feedback such small
     steady progress never reaches the shared state; with it, the rounding error stays within one
-    round's while replicas still agree bit for bit."""
+    round's while replicas still agree bit for bit, in one level or two (where the rows' averages
+    of each cell are rounded too)."""
     wire = lambda t: through_codec(t, "int4")  # noqa: E731
-    group = replicas(3, AveragingConfig(wait=1.0, codec="int4", feedback=feedback), wire=wire)
+    group = replicas(n, AveragingConfig(wait=1.0, codec="int4", feedback=feedback, flat=flat), wire=wire, p=PL)
     base = group[0].state.params.clone()
-    steps = [torch.full((P,), 0.001 * (i + 1)) for i in range(3)]
+    steps = [torch.full((PL,), 0.001 * (i % 3 + 1)) for i in range(n)]
     for step in steps:
         step[::16] = 0.1  # one large value per 16: the block's scale
-    carries = [torch.zeros(P) for _ in group]
+    carries = [torch.zeros(PL) for _ in group]
     rounds = 20
     for _ in range(rounds):
-        exchange(group, [s + c for s, c in zip(steps, carries, strict=True)], [8, 8, 8], wire=wire)
+        exchange(group, [s + c for s, c in zip(steps, carries, strict=True)], [8] * n, wire=wire)
+        assert group[0].layout.two_level == (n > flat)
         closed = [r.close() for r in group]
         assert len({c.state.version.hash for c in closed}) == 1
-        carries = [c.carry if c.carry is not None else torch.zeros(P) for c in closed]
-    drift = (group[0].state.params - (base + rounds * sum(steps) / 3)).abs().max()
+        carries = [c.carry if c.carry is not None else torch.zeros(PL) for c in closed]
+    drift = (group[0].state.params - (base + rounds * sum(steps) / n)).abs().max()
     if feedback:
         assert drift < 0.1 / 7  # (at most about one round's rounding)
     else:
         assert drift > 0.9 * 0.002 * rounds  # the values averaging 0.002 a round never moved
 
 
+def test_a_round_starts_at_a_members_first_message_but_no_more_than_half_the_deadline_early():
+    me, peer = replicas(2, AveragingConfig(wait=10.0))
+    stranger = "ee" * 16
+    me.offer(Part(stranger, 0, me.state.version.hash, 8, 0, P, torch.zeros(P), age=1e9), now=1.0)  # held
+    me.offer(Part(peer.me, 0, me.state.version.hash, 8, *flat_range([me.me, peer.me], me.me),
+                  torch.zeros(32), age=2.0), now=3.0)  # held until submit, then accepted
+    me.submit(torch.zeros(P), 8, now=4.0)
+    assert me.start == 1.0  # the peer's round started at 3 - 2; the stranger's claim counts for nothing
+    late = replicas(2, AveragingConfig(wait=10.0))[0]
+    late.submit(torch.zeros(P), 8, now=20.0)
+    late.offer(Reduced(peer.me, 0, late.state.version.hash, *flat_range([late.me, peer.me], peer.me),
+                       Contributors.of(late.group, [peer.me]), 8, torch.zeros(32), age=10.0), now=20.5)
+    assert late.start == 15.0  # half of wait before its own update, not 10.5
+
+
+def test_a_peer_can_have_only_a_few_messages_held():
+    me, _ = replicas(2)
+    stranger = "ee" * 16
+    answers = [me.offer(Part(stranger, 1, "x", 8, lo, lo + 1, torch.zeros(1)), now=0.0) for lo in range(10)]
+    assert answers.count("held") == 4 and answers[-1] == "too many held from this sender"
+
+
 def test_a_large_group_averages_exactly_in_two_levels_and_agrees_bit_for_bit():
-    group = replicas(20, AveragingConfig(wait=1.0, flat=4))  # 4 rows of 5
+    group = replicas(20, AveragingConfig(wait=1.0, flat=4), p=PL)  # 4 rows of 5
     base = group[0].state.params.clone()
-    deltas = [torch.randn(P) * 0.01 for _ in group]
+    deltas = [torch.randn(PL) * 0.01 for _ in group]
     samples = [8 * (i + 1) for i in range(len(group))]
     exchange(group, deltas, samples)
     assert group[0].layout.two_level
@@ -169,9 +195,9 @@ def test_two_levels_through_a_lossy_codec_agree_bit_for_bit_with_error_feedback(
     """A column owner passes a cell on as it decoded it; every replica uses the cell decoded once more."""
     wire = (lambda t: through_codec(t, codec)) if codec != "bf16" else (lambda t: t.to(torch.bfloat16).float())
     cfg = AveragingConfig(wait=1.0, flat=4, codec=codec, feedback=True)
-    group = replicas(14, cfg, wire=wire)  # rows of 5, 5, 4: the longer rows' last members own no column
+    group = replicas(14, cfg, wire=wire, p=PL)  # rows of 5, 5, 4: the longer rows' last members own no column
     for _ in range(3):
-        exchange(group, [torch.randn(P) * 0.01 for _ in group], [8] * len(group), wire=wire)
+        exchange(group, [torch.randn(PL) * 0.01 for _ in group], [8] * len(group), wire=wire)
         closed = [r.close() for r in group]
         assert len({c.state.version.hash for c in closed}) == 1 and all(not c.missing for c in closed)
 
@@ -179,11 +205,11 @@ def test_two_levels_through_a_lossy_codec_agree_bit_for_bit_with_error_feedback(
 def test_a_dead_member_of_a_large_group_costs_one_cell_and_its_row_stays_in_step():
     """Its cell is missing everywhere, and its row's parts of its column are carried over; the cells
     it would have passed on to its row come from their owners, so every live replica ends alike."""
-    group = replicas(16, AveragingConfig(wait=1.0, flat=4))  # 4 rows of 4
+    group = replicas(16, AveragingConfig(wait=1.0, flat=4), p=PL)  # 4 rows of 4
     dead = group[5]  # row 1, column 1
-    layout = Layout.of([r.me for r in group], P, flat=4)
+    layout = Layout.of([r.me for r in group], PL, flat=4)
     row = set(layout.rows[1]) - {dead.me}
-    deltas = [torch.randn(P) * 0.01 for _ in group]
+    deltas = [torch.randn(PL) * 0.01 for _ in group]
     exchange(group, deltas, [8] * 16, dead=frozenset({dead.me}))
     assert all(r.can_close(now=1.0) for r in group if r is not dead)
     closed = {r.me: r.close() for r in group if r is not dead}
@@ -191,8 +217,8 @@ def test_a_dead_member_of_a_large_group_costs_one_cell_and_its_row_stays_in_step
     assert all(c.missing == (layout.cells[1][1],) for c in closed.values())
     everyone = closed[group[0].me]
     assert everyone.contributors == sorted({r.me for r in group} - {dead.me})  # in half the values, at least
-    # samples per value: 15 x 8 in three columns (48 values), 12 x 8 in the dead one's column's three other cells
-    assert everyone.state.version.samples == (120 * 48 + 96 * 12) // P
+    # samples per value: 15 x 8 in three columns (192 values), 12 x 8 in the dead one's column's three other cells
+    assert everyone.state.version.samples == (120 * 192 + 96 * 48) // PL
     lo, hi = layout.columns[1]
     for name in row:  # their parts of the dead one's column were averaged nowhere: carried over
         me = next(i for i, r in enumerate(group) if r.me == name)
@@ -201,20 +227,20 @@ def test_a_dead_member_of_a_large_group_costs_one_cell_and_its_row_stays_in_step
 
 
 def test_a_joiner_in_a_large_group_sends_to_one_row_and_receives_every_cell():
-    group = replicas(17, AveragingConfig(wait=1.0, flat=4))
+    group = replicas(17, AveragingConfig(wait=1.0, flat=4), p=PL)
     joiner = group[-1]
     for r in group[:-1]:  # it fetched their state: announced, not synced, and not one of theirs
         r.expected.discard(joiner.me)
         r.note_version(joiner.me, r.state.version, synced=False)
     joiner.synced, joiner.expected = False, {r.me for r in group[:-1]}
     sent: dict[str, list] = {}
-    exchange(group, [torch.randn(P) * 0.01 for _ in group], [8] * 17, sent=sent)
+    exchange(group, [torch.randn(PL) * 0.01 for _ in group], [8] * 17, sent=sent)
     assert joiner.me not in joiner.group and joiner.layout == group[0].layout
     assert sent[joiner.me][1] == set(group[0].layout.rows[joiner.row])  # its parts: to its row's owners
     closed = [r.close() for r in group]
     assert len({c.state.version.hash for c in closed}) == 1 and not closed[0].missing
     assert joiner.me in closed[0].contributors and closed[-1].carry is None
-    assert group[0].submit(torch.zeros(P), 8, now=2.0) and joiner.me in group[0].group  # a member next round
+    assert group[0].submit(torch.zeros(PL), 8, now=2.0) and joiner.me in group[0].group  # a member next round
 
 
 @pytest.mark.parametrize("n", [17, 64, 250])

@@ -33,7 +33,6 @@ class Averager:
         self.codec, self.compression = CODECS[codec], compression
         self.changed = changed or asyncio.Event()  # set whenever something arrives that may end a wait
         self.sends: list[asyncio.Task] = []
-        self.unreachable: set[str] = set()  # peers this round could not reach
         node.handlers.update(update=self.on_update, reduced=self.on_reduced)
 
     async def round(self, delta: torch.Tensor, samples: int, interrupt: Callable[[], bool] = lambda: False
@@ -41,9 +40,9 @@ class Averager:
         """One round with this node's update; the closed round, or None if `interrupt()` became true
         first (a preferred state to adopt: the round was on the old one)."""
         parts = self.replica.submit(delta, samples, time.monotonic())
-        # peers gone: those connected now whose connection closes, and those this node cannot reach
+        # peers gone: those connected now whose connection closes (a peer this node cannot reach may
+        # still reach it, and a cell passed on may come when its owner is gone: those are waited for)
         connected = {p for p in self.replica.group if self.connected(p)}
-        self.unreachable = set()
         self.sends = [self.node.spawn(self._send(out.to[0], out.message)) for out in parts]
         while True:
             self.changed.clear()
@@ -52,7 +51,7 @@ class Averager:
             now = time.monotonic()
             for out in self.replica.due(now):
                 self.sends.append(self.node.spawn(self._broadcast(out.message, out.to)))
-            gone = {p for p in connected if not self.connected(p)} | self.unreachable
+            gone = {p for p in connected if not self.connected(p)}
             if self.replica.can_close(now, gone):
                 return self.replica.close()
             with contextlib.suppress(TimeoutError):
@@ -81,9 +80,7 @@ class Averager:
         encoded)."""
         conn = await self.node.reach(peer)
         if conn is None:
-            self.unreachable.add(peer)  # its cells will be missing this round, or it will miss this one
-            self.changed.set()
-            return
+            return  # gone, or out of reach: its cells will be missing this round, or it will miss this one
         with contextlib.suppress(PeerGone):
             stream = await conn.send_tensor(what.delta if encoded is None else encoded, self.codec, self.compression)
             fields = {"block": self.block, "round": what.round, "base": what.base, "samples": what.samples,

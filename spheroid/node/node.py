@@ -281,7 +281,17 @@ class Node:
                 self._reaching[node] = self.spawn(self.dial(self.known[node].addr))
                 self._reaching[node].add_done_callback(lambda _: self._reaching.pop(node, None))
             conn = await asyncio.shield(self._reaching[node])
+            if conn is None:  # (it dialled this node at the same time, or gossip was dialling it: either won)
+                conn = self.conns.get(node) or await self._dialled_by_gossip(node)
         return conn if conn is not None and conn.label == node and not conn.closed else None
+
+    async def _dialled_by_gossip(self, node: str) -> Connection | None:
+        """The connection a dial already under way (by gossip) makes to a peer, within the timeout."""
+        addr = self.known[node].addr if node in self.known else None
+        deadline = time.monotonic() + self.cfg.timeout
+        while addr in self._dialing and node not in self.conns and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.conns.get(node)
 
     async def _admit(self, conn: Connection, admitted: asyncio.Future | None = None) -> None:
         """Handshake (within the deadline), register, then serve the connection until it ends."""

@@ -316,7 +316,9 @@ class BlockWorker:
             else:
                 await self._closed(closed)
         self.done = True
-        self.replica.synced = False  # no more rounds from this node: peers must not wait for it
+        # no more rounds from this node: peers that hear it before their next round leave it out of the
+        # one after (the next waits for it until its deadline: its group is counted already)
+        self.replica.synced = False
         await self.averager.flush()  # (after its last update, not overtaking it)
         await self._announce()
         log.info("block %d: trained %d steps in %d rounds; still serving its state", self.block, self.step,
