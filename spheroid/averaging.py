@@ -471,10 +471,11 @@ class Replica:
         peer are its parts, a row's average, and the cells of one column."""
         key = type(m).__name__, m.sender, m.lo, m.hi
         per_sender = math.isqrt(len(self.expected) + 1) + 3
-        if key not in self.held and sum(k[1] == m.sender for k in self.held) >= per_sender:
-            log.warning("%s from %s for round %d dropped: %d held from it already", type(m).__name__.lower(),
-                        m.sender[:8], m.round, per_sender)
-            return "too many held from this sender"
+        if key not in self.held and (sum(k[1] == m.sender for k in self.held) >= per_sender
+                                     or len(self.held) >= per_sender * (len(self.expected) + 16)):
+            log.warning("%s from %s for round %d dropped: too many held already", type(m).__name__.lower(),
+                        m.sender[:8], m.round)
+            return "too many held"
         self.held[key] = (m, now)
         return "held"
 
