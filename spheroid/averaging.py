@@ -71,7 +71,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-CODECS = {"fp32": "raw", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "int4": "int4"}  # config name -> wire codec
+# config name -> wire codec
+CODECS = {"fp32": "raw", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "int4": "int4", "int2": "int2"}
 OUTER_STEPS = ("average", "nesterov")
 
 
@@ -80,7 +81,7 @@ class AveragingConfig:
     """How same-block replicas average. Every benchmark states these."""
 
     every: int = 20  # H: local steps per round
-    codec: str = "fp32"  # how updates travel: fp32, fp16, bf16, int8 or int4 (per-chunk scales)
+    codec: str = "fp32"  # how updates travel: fp32, fp16, bf16, int8, int4 or int2 (per-chunk scales)
     lz4: bool = False  # lz4 on top of the codec, kept per chunk only where it shrinks the data
     wait: float = 5.0  # seconds a replica waits for its peers' updates once its own is ready
     outer: str = "average"  # "average": plain averaging (the paper); "nesterov": DiLoCo's outer step

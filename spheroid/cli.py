@@ -333,12 +333,9 @@ def run_config_options(func):
                           "every R steps, default 100]"),
         click.option("--refresh-codec", "train__refresh_codec", type=click.Choice(REFRESH_CODECS),
                      help="How a swarm node refreshes the earlier blocks it reads: fp32, verified snapshots; "
-                          "fp16, bf16, int8 or int4, what changed since the copy it holds, in that codec (fewer bytes, "
-                          "a copy that is close, not exact; a verified snapshot again every "
-                          "--refresh-snapshot-every refreshes).  [default: fp32]"),
-        click.option("--refresh-snapshot-every", "train__refresh_snapshot_every", type=click.IntRange(min=1),
-                     help="With a lossy --refresh-codec: refreshes by change before a verified float32 snapshot "
-                          "resets a copy (a snapshot weighs about 8 int4 changes).  [default: 8]"),
+                          "fp16, bf16, int8, int4 or int2, the change from the copy it holds, in that codec (fewer "
+                          "bytes; the copy is close, not exact, and what rounding lost goes with the next "
+                          "change).  [default: fp32]"),
     ]
     for option in reversed(options):
         func = option(func)

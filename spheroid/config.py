@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # how a swarm node may refresh its copies of earlier blocks: fp32 snapshots, or changes in a codec
-REFRESH_CODECS = ("fp32", "fp16", "bf16", "int8", "int4")
+REFRESH_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
 
 
 @dataclass(frozen=True)
@@ -124,10 +124,9 @@ class TrainConfig:
     # first, their genesis states); 0 = the earlier blocks are trained first and stay fixed
     refresh_every: int = 0
     # how a swarm node refreshes its copies of the earlier blocks: "fp32", verified float32 snapshots;
-    # "int8", "int4", "fp16" or "bf16", the change since the copy it holds, in that codec (lz4 on top), with a
-    # verified snapshot again after `refresh_snapshot_every` such changes (spheroid/node/worker.py)
+    # "int8", "int4", "int2", "fp16" or "bf16", the change from the copy it holds to the holder's
+    # state, in that codec (lz4 on top), taken from the copy as it is (spheroid/node/worker.py)
     refresh_codec: str = "fp32"
-    refresh_snapshot_every: int = 8
     # mixed chunk sizes: each batch trains under the chunk mask of a K drawn uniformly from these, so
     # one checkpoint serves ar (K = 1), sweeps and drafts; empty = always the model's chunk
     chunks: tuple[int, ...] = ()
@@ -136,9 +135,8 @@ class TrainConfig:
         object.__setattr__(self, "chunks", tuple(self.chunks))  # a JSON list reads back as a list
         if any(not isinstance(k, int) or k < 1 for k in self.chunks):
             raise ValueError(f"chunks must be sizes of at least 1, got {list(self.chunks)}")
-        if self.refresh_every < 0 or self.refresh_snapshot_every < 1:
-            raise ValueError(f"need refresh_every >= 0 and refresh_snapshot_every >= 1, got {self.refresh_every} "
-                             f"and {self.refresh_snapshot_every}")
+        if self.refresh_every < 0:
+            raise ValueError(f"need refresh_every >= 0, got {self.refresh_every}")
         if self.refresh_codec not in REFRESH_CODECS:
             raise ValueError(f"refresh_codec must be one of {', '.join(REFRESH_CODECS)}, got {self.refresh_codec!r}")
         if self.block_input not in ("noised", "chain"):
@@ -167,10 +165,14 @@ class RunConfig:
             model = {**model, "relay_loss": 0.0}  # written before the relay loss existed: none
         if isinstance(model, dict) and "gate_init" not in model:
             model = {**model, "gate_init": 0.0}  # written before gate_init existed: AdaLN-Zero
+        train = data.get("train", {})
+        if isinstance(train, dict) and "refresh_snapshot_every" in train:
+            # written when changes of a copy drifted until a periodic snapshot: no longer needed
+            train = {k: v for k, v in train.items() if k != "refresh_snapshot_every"}
         return cls(
             model=_build(ModelConfig, model),
             noise=_build(NoiseConfig, data.get("noise", {})),
-            train=_build(TrainConfig, data.get("train", {})),
+            train=_build(TrainConfig, train),
         )
 
     def to_json(self) -> str:

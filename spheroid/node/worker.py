@@ -12,9 +12,12 @@ them. Their holders announce their versions to it too; it fetches the preferred 
 (hash verified, from a holder chosen by rendezvous hashing) when it starts and then at most every
 `refresh_every` steps, between training chunks. Nobody waits for anybody: until a block's first
 fetch its copy is the genesis state. The versions read go into the checkpoint and the status.
-With `refresh_codec` other than fp32 a refresh asks for the change since the copy it holds, in
-that codec: a holder keeps its last RECENT states to answer that, and the copy becomes close to
-the version, not exact, until a verified snapshot every `refresh_snapshot_every` refreshes resets it.
+With `refresh_codec` other than fp32 a refresh asks for the change from the copy it holds (named
+by the hash of its parameters) to the holder's state, in that codec. The copy becomes close to the
+version, not exact; but the holder computes the copy that change makes as the reader will, and
+keeps it (the last COPIES it made), so the next change is taken from the reader's actual copy and
+what rounding lost is sent then: the copy's error stays that of one change, it does not build up.
+A holder without the reader's copy (another holder, or one that forgot it) sends a snapshot.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ log = logging.getLogger(__name__)
 
 MAX_SERVING = 2  # state transfers a donor runs at once; more requesters are told to try another holder
 DELTA_CODECS = REFRESH_CODECS[1:]  # codecs a holder sends a change since a state in (all but fp32)
-RECENT = 4  # states a holder keeps, to send a reader the change since the one it holds
+RECENT = 4  # states a holder keeps, to send a reader the change from the one it holds
+COPIES = 16  # readers' copies a holder keeps (the last it made), to send the change from them
 HISTORY = 50  # rounds kept in the status
 JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer,
 JOIN_SETTLE_S = 0.5  # then listens this long for versions before it picks a donor
@@ -98,6 +102,34 @@ async def fetch_from(node: Node, holders: list[str], block: int, n_params: int, 
     return None
 
 
+class ReadersCopies:
+    """A holder's side of refreshes by change: the copies it made for readers, so that the next
+    change it sends a reader starts from the copy the reader actually holds."""
+
+    def __init__(self, limit: int = COPIES) -> None:
+        self.limit = limit
+        self.copies: dict[str, torch.Tensor] = {}  # by the hash of the parameters, the most recently used last
+
+    def change(self, since: str, known: dict[str, torch.Tensor], params: torch.Tensor,
+               codec: str) -> torch.Tensor | None:
+        """The change from the parameters hashed `since` (a copy made here, or one of `known`) to
+        `params`, to send in wire codec `codec`; None if this holder does not know them. Keeps the copy
+        the reader will make of it (the change as decoded, added as the reader adds it)."""
+        base = self.copies.pop(since, None)
+        if base is not None:
+            self.copies[since] = base
+        else:
+            base = known.get(since)
+        if base is None:
+            return None
+        change = params - base
+        copy = base + through_codec(change, codec)
+        self.copies[state_hash(copy)] = copy
+        while len(self.copies) > self.limit:
+            del self.copies[next(iter(self.copies))]
+        return change
+
+
 class Upstream:
     """The frozen copies of the earlier blocks a worker reads, kept near the swarm's preferred versions.
 
@@ -105,21 +137,20 @@ class Upstream:
     `refresh` fetches, in the background, each earlier block whose preferred announced version is not
     the one held, at most every `every` steps; `apply` swaps the fetched ones in between training
     chunks (the training thread reads the copies). With a `codec` other than fp32 it asks for the
-    change since the version it holds, and takes a verified snapshot after `snapshot_every` changes.
+    change from the copy it holds, named by its parameters' hash (see the module's docstring).
     """
 
-    def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int, codec: str = "fp32",
-                 snapshot_every: int = 8) -> None:
+    def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int, codec: str = "fp32") -> None:
         self.node, self.block, self.earlier, self.every, self.codec = node, block, earlier, every, codec
-        self.snapshot_every = snapshot_every
         self.announced: dict[int, dict[str, Version]] = {b: {} for b in range(block)} if earlier else {}
-        # the version of each copy: at first its genesis parameters (hashed alone), which holders
-        # keep, so that a first refresh by change needs no snapshot either
-        self.held: dict[int, Version] = {}
+        self.held: dict[int, Version] = {}  # the version each copy was fetched at
+        # the hash of each copy's parameters: at first its genesis parameters, which holders keep, so
+        # that a first refresh by change needs no snapshot either
+        self.copies: dict[int, str] = {}
         if earlier is not None and codec != "fp32":
-            for b, copy in enumerate(earlier.blocks):
-                self.held[b] = Version(0, 0, state_hash(parameters_to_vector(copy.parameters()).detach()))
-        self.deltas: dict[int, int] = {}  # changes applied since the last verified snapshot, per block
+            self.copies = {b: state_hash(parameters_to_vector(copy.parameters()).detach())
+                           for b, copy in enumerate(earlier.blocks)}
+        self.changes = 0  # refreshes by change (the others were snapshots)
         self.pending: dict[int, SharedState | StateDelta] = {}
         self.refreshed_at: int | None = None  # the step of the last refresh that fetched something
         self.fetching: asyncio.Task | None = None
@@ -153,11 +184,10 @@ class Upstream:
     async def _fetch(self, wanted: dict[int, list[str]]) -> None:
         for b, holders in wanted.items():
             n_params = sum(p.numel() for p in self.earlier.blocks[b].parameters())
-            held = self.held.get(b)
-            change = self.codec != "fp32" and held is not None and self.deltas.get(b, 0) < self.snapshot_every
+            since = self.copies.get(b)
             before = self._received(holders)
-            got = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg,
-                                   held.hash if change else None, self.codec if change else None)
+            got = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg, since,
+                                   self.codec if since else None)
             self.bytes += self._received(holders) - before  # (the transfer, and any version notes meanwhile)
             if got is not None:
                 self.pending[b] = got
@@ -169,24 +199,25 @@ class Upstream:
     def apply(self) -> None:
         """Swap the fetched earlier blocks in (only between training chunks)."""
         for b, got in sorted(self.pending.items()):
-            if isinstance(got, StateDelta):
-                if self.held.get(b) is None or got.since != self.held[b].hash:
-                    continue  # (a change since a copy replaced meanwhile)
-                params = parameters_to_vector(self.earlier.blocks[b].parameters()) + got.delta
-                self.deltas[b] = self.deltas.get(b, 0) + 1
-            else:
+            exact = not isinstance(got, StateDelta)
+            if exact:
                 params = got.params
-                self.deltas[b] = 0
-            self.earlier.replace(b, params, {**got.version.to_wire(), "exact": not self.deltas[b]})
+            elif got.since != self.copies.get(b):
+                continue  # (a change from a copy replaced meanwhile)
+            else:
+                params = parameters_to_vector(self.earlier.blocks[b].parameters()).detach() + got.delta
+                self.changes += 1
+            self.earlier.replace(b, params, {**got.version.to_wire(), "exact": exact})
             self.held[b] = got.version
+            if self.codec != "fp32":
+                self.copies[b] = state_hash(params)
             log.info("block %d now reads block %d at round %d (state %s%s)", self.block, b, got.version.round,
-                     got.version.hash[:12], f", {self.deltas[b]} change(s) in {self.codec} since a snapshot or genesis"
-                     if self.deltas[b] else "")
+                     got.version.hash[:12], "" if exact else f", close: a change in {self.codec}")
         self.pending.clear()
 
     def status(self) -> dict:
         return {"reads": self.earlier.versions if self.earlier else {}, "fetches": self.fetches,
-                "bytes": self.bytes}
+                "changes": self.changes, "bytes": self.bytes}
 
 
 class BlockWorker:
@@ -198,7 +229,7 @@ class BlockWorker:
         self.module, self.loss_fn, self.earlier = block_trainer(cfg, block, None, torch.device("cpu"))
         self.opt = make_optimizer(self.module, cfg)
         self.upstream = Upstream(node, block, self.earlier, cfg.train.refresh_every or averaging.every,
-                                 cfg.train.refresh_codec, cfg.train.refresh_snapshot_every)
+                                 cfg.train.refresh_codec)
         # each replica draws its own batches and noise
         node_seed = int(node.id[:8], 16)
         self.gen = torch.Generator().manual_seed(cfg.train.seed ^ node_seed)
@@ -212,9 +243,11 @@ class BlockWorker:
         # restart, or done; what it keeps of its own tensors went through the wire codec, as peers see them
         self.replica = Replica(node.id, state, averaging, synced=self.fresh,
                                wire=lambda t: through_codec(t, CODECS[averaging.codec], self.compression))
-        # this node's last RECENT states' parameters by hash, and its genesis parameters by theirs
+        # parameters a reader of this block may hold, by their hash: the genesis parameters, this
+        # node's last RECENT states' and the copies it made by sending changes
         self.genesis = (state_hash(genesis), genesis)
         self.recent: dict[str, torch.Tensor] = {}
+        self.readers = ReadersCopies()
         self._keep(state)
         self.pending: SharedState | None = None  # a fetched state to adopt between training chunks
         self.fetching = False
@@ -244,7 +277,7 @@ class BlockWorker:
 
     def _keep(self, state: SharedState) -> None:
         """Remember a state this node held (rounds replace the state's tensors, never change them)."""
-        self.recent[state.version.hash] = state.params
+        self.recent[state.version.hash if state.momentum is None else state_hash(state.params)] = state.params
         while len(self.recent) > RECENT:
             del self.recent[next(iter(self.recent))]
 
@@ -436,21 +469,24 @@ class BlockWorker:
             self.node.spawn(self._serve_state(conn, msg))
 
     async def _serve_state(self, conn: Connection, msg: messages.Message) -> None:
-        """Stream this node's state; or, asked for the change since a state it still has in a lossy
-        codec, that change (parameters only: a reader has no use for the outer momentum)."""
+        """Stream this node's state; or, asked in a lossy codec for the change from parameters it
+        knows, that change (parameters only: a reader has no use for the outer momentum), keeping
+        the copy it makes so that the next change starts from it."""
         state = self.replica.state  # a snapshot: rounds replace the state object, never mutate it
         members = self.replica.members()  # (the group of the round that starts from it)
-        known = {**self.recent, self.genesis[0]: self.genesis[1]}
-        base = known.get(msg.since) if msg.codec in DELTA_CODECS else None
+        change = None
+        if msg.codec in DELTA_CODECS:
+            known = {**self.recent, self.genesis[0]: self.genesis[1]}
+            change = self.readers.change(msg.since, known, state.params, CODECS[msg.codec])
         self.serving += 1
         try:
-            if base is None:
+            if change is None:
                 stream = await conn.send_tensor(state.flat(), "raw")
             else:
-                stream = await conn.send_tensor(state.params - base, CODECS[msg.codec], "lz4")
+                stream = await conn.send_tensor(change, CODECS[msg.codec], "lz4")
             await conn.send(messages.StateReply(re=msg.id, block=self.block, **state.version.to_wire(), stream=stream,
-                                                config=self.cfg.to_dict(), since=None if base is None else msg.since,
-                                                members=members if base is None else None))
+                                                config=self.cfg.to_dict(), since=None if change is None else msg.since,
+                                                members=members if change is None else None))
             self.served += 1
         except PeerGone as exc:
             log.info("state transfer to %s stopped: %s", conn.label[:8], exc)

@@ -1,4 +1,4 @@
-"""Tensors on the wire: the msgpack extension type and its codecs (raw, fp16, bf16, int8, int4; lz4 on top).
+"""Tensors on the wire: the msgpack extension type and its codecs (raw, fp16, bf16, int8, int4, int2; lz4 on top).
 
 Extension type 1 carries one tensor. Its payload is itself a msgpack array:
 
@@ -6,7 +6,8 @@ Extension type 1 carries one tensor. Its payload is itself a msgpack array:
 
 `dtype` is the tensor's dtype after decoding; `codec` says how `data` holds the values ("raw": in
 dtype itself; "fp16"/"bf16": cast; "int8"/"int4": symmetric integers with one float32 scale per
-`block` elements, in `scales`, int4 packed two to a byte); `compression` is "none" or "lz4"
+`block` elements, in `scales`, int4 packed two to a byte; "int2": four levels, -3, -1, 1 and 3 times
+a scale per block, four to a byte); `compression` is "none" or "lz4"
 (block format, size not stored: the receiver knows it). All numbers are little-endian. Nothing here
 can execute code: a payload is checked against its header (sizes, dtype, codec) before any buffer
 is allocated from it.
@@ -35,12 +36,20 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = {"float32", "float16", "bfloat16"}
-CODECS = ("raw", "fp16", "bf16", "int8", "int4")
+CODECS = ("raw", "fp16", "bf16", "int8", "int4", "int2")
 COMPRESSIONS = ("none", "lz4")
-QUANTIZED = {"int8": 127, "int4": 7}  # codec -> the largest integer it writes (symmetric)
-INT8_BLOCK = 4096  # elements per scale of a quantized codec (int8 and int4)
+QUANTIZED = {"int8": 127, "int4": 7, "int2": 2}  # codec -> the largest magnitude it writes
+BITS = {"int8": 8, "int4": 4, "int2": 2}  # bits a quantized codec packs each value in
+INT8_BLOCK = 4096  # elements per scale of a quantized codec
 INT8_ERROR = 0.5 / 127  # int8's worst-case error, relative to the largest magnitude of a block
 INT4_ERROR = 0.5 / 7
+# int2's levels are -3, -1, 1 and 3 times a scale of INT2_MEAN_SCALE times the block's mean
+# magnitude: values beyond 4 scales are clipped and the rest are off by at most a scale. It is
+# meant for senders that carry what rounding lost into their next message (error feedback, tracked
+# refreshes), and for them a scale this wide matters more than the least-squares one (0.63 times
+# the mean for normal values): a narrower scale clips the values that move fastest every time, and
+# what they lose then grows without bound (tests/test_refresh.py).
+INT2_MEAN_SCALE = 1.2
 
 
 @dataclass(frozen=True)
@@ -57,8 +66,8 @@ def codec_nbytes(dtype: str, codec: str, n: int) -> int:
     """Bytes of `data` (before compression) that hold n values of dtype in codec."""
     if codec == "raw":
         return n * DTYPES[dtype].itemsize
-    if codec == "int4":
-        return (n + 1) // 2
+    if codec in ("int4", "int2"):
+        return -(-n // (8 // BITS[codec]))
     return n * {"fp16": 2, "bf16": 2, "int8": 1}[codec]
 
 
@@ -86,8 +95,8 @@ def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: 
     elif codec == "bf16":
         data = as_bytes(flat.to(torch.bfloat16))
     else:
-        q, s = quantize(flat.float(), INT8_BLOCK, QUANTIZED[codec])
-        data, scales, block = as_bytes(q if codec == "int8" else pack_int4(q)), as_bytes(s), INT8_BLOCK
+        q, s = quantize(flat.float(), INT8_BLOCK, codec)
+        data, scales, block = as_bytes(q if codec == "int8" else pack(q, BITS[codec])), as_bytes(s), INT8_BLOCK
     if compression == "lz4":
         packed = lz4.block.compress(data, store_size=False)
         if len(packed) < len(data):
@@ -188,38 +197,57 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
         if n_scales < 0 or len(scales) != 4 * n_scales:
             raise ProtocolError("bad_tensor", f"{codec} needs 0 < block <= {most} and "
                                               f"{max(n_scales, 0)} float32 scales")
-        q = from_bytes(data, torch.int8) if codec == "int8" else unpack_int4(from_bytes(data, torch.uint8), numel)
-        flat = dequantize(q, from_bytes(scales, torch.float32), block).to(DTYPES[dtype])
+        q = from_bytes(data, torch.int8)
+        if codec != "int8":
+            q = unpack(from_bytes(data, torch.uint8), numel, BITS[codec])
+        flat = dequantize(q, from_bytes(scales, torch.float32), block, codec).to(DTYPES[dtype])
     return flat.view(shape)
 
 
-def quantize(flat: torch.Tensor, block: int, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric integers with one scale per `block` elements: q = round(x / s) in [-top, top],
-    s = max|x| / top (top = 127 for int8, 7 for int4)."""
+def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integers with one float32 scale per `block` elements. int8 and int4: q = round(x / s) in
+    [-top, top], s = max|x| / top (top = 127 for int8, 7 for int4; 1 for an all-zero block).
+    int2: q = floor(x / 2s) in [-2, 1], which decodes to (2q + 1) s, s = INT2_MEAN_SCALE mean|x|
+    (over a last partial block's own values; 0 for an all-zero block)."""
     n = flat.numel()
     padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
-    scales = padded.abs().amax(dim=1) / top
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(padded / scales[:, None]).clamp(-top, top).to(torch.int8).view(-1)[:n]
-    return q, scales.float()
+    if codec == "int2":
+        counts = torch.full((padded.shape[0],), float(block))
+        counts[-1] = n - block * (padded.shape[0] - 1)
+        scales = INT2_MEAN_SCALE * (padded.abs().sum(dim=1) / counts)
+        steps = torch.where(scales > 0, 2 * scales, torch.ones_like(scales))
+        q = torch.floor(padded / steps[:, None]).clamp(-2, 1)
+    else:
+        top = QUANTIZED[codec]
+        scales = padded.abs().amax(dim=1) / top
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(padded / scales[:, None]).clamp(-top, top)
+    return q.to(torch.int8).view(-1)[:n], scales.float()
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int8 values in [-8, 7], two to a byte as 4-bit two's complement: value 2i in the low nibble
-    of byte i, value 2i + 1 in its high nibble (0 when there is none)."""
-    nibbles = torch.nn.functional.pad(q, (0, q.numel() % 2)).view(-1, 2).to(torch.uint8) & 0x0F
-    return nibbles[:, 0] | (nibbles[:, 1] << 4)
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 values of `bits` (4 or 2) bits' two's complement, 8 // bits to a byte, the first in the
+    lowest bits: int4 puts value 2i in the low nibble of byte i and 2i + 1 in its high nibble; int2
+    puts value 4i + k in bits 2k and 2k + 1 of byte i (0 where there is no value)."""
+    per = 8 // bits
+    fields = torch.nn.functional.pad(q, (0, -q.numel() % per)).view(-1, per).to(torch.uint8) & ((1 << bits) - 1)
+    out = fields[:, 0].clone()
+    for k in range(1, per):
+        out |= fields[:, k] << (bits * k)
+    return out
 
 
-def unpack_int4(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """`pack_int4`'s inverse: the first n values, as int8."""
-    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[:n].to(torch.int8)
-    return (nibbles ^ 8) - 8  # sign-extend 4 bits
+def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """`pack`'s inverse: the first n values, as int8."""
+    fields = torch.stack([(packed >> (bits * k)) & ((1 << bits) - 1) for k in range(8 // bits)], dim=1)
+    sign = 1 << (bits - 1)
+    return (fields.view(-1)[:n].to(torch.int8) ^ sign) - sign  # sign-extend
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int, codec: str) -> torch.Tensor:
     n = q.numel()
-    padded = torch.nn.functional.pad(q.float(), (0, -n % block)).view(-1, block)
+    levels = 2 * q.float() + 1 if codec == "int2" else q.float()
+    padded = torch.nn.functional.pad(levels, (0, -n % block)).view(-1, block)
     return (padded * scales[:, None]).view(-1)[:n]
 
 
