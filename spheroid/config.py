@@ -226,6 +226,9 @@ class NodeConfig:
     max_unauthenticated: int = 128  # connections in their handshake at once, in all
     max_unauthenticated_per_host: int = 32  # ... and from one source address
     max_peers: int = 64  # connections it dials
+    # a connection that reach() dialled (averaging with a peer beyond those) is closed once it has
+    # carried nothing but pings this long while the node holds more than max_peers connections
+    reach_idle: float = 60.0
     max_known: int = 10_000  # entries of the known-peers table (random eviction when full)
     recv_budget: int = 384 << 20  # bytes of incoming tensor streams the node holds, all connections together
 

@@ -345,3 +345,43 @@ def test_a_node_reaches_a_peer_it_knows_from_gossip_but_is_not_connected_to(tmp_
 
     before, labels, stranger, c = asyncio.run(scenario())
     assert not before and labels == [c, c] and stranger is None
+
+
+def test_a_reached_connection_is_closed_once_idle_while_over_max_peers_and_reached_again(tmp_path):
+    """Averaging in a large group reaches new peers every round: a connection reach() dialled is
+    closed once it carried nothing but pings for reach_idle while the node is over max_peers (so its
+    connections stay bounded), and reach dials the peer again when it is needed again."""
+
+    async def scenario() -> tuple:
+        def config(name: str, *peers: str) -> NodeConfig:
+            return NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / f"{name}.json"),
+                              peers=peers, max_peers=1, ping_interval=0.2, reach_idle=2.0)
+
+        hub = Node(config("hub"), load_or_create(str(tmp_path / "hub.json")))
+        await hub.start()
+        a = Node(config("a", hub.cfg.listen), load_or_create(str(tmp_path / "a.json")))
+        c = Node(config("c", hub.cfg.listen), load_or_create(str(tmp_path / "c.json")))
+        await a.start()
+        await c.start()
+        try:
+            for _ in range(100):
+                await a.gossip_once()
+                if c.id in a.known:
+                    break
+                await asyncio.sleep(0.1)
+            first = await a.reach(c.id)
+            reached = sorted(a.conns) == sorted([hub.id, c.id])
+            await asyncio.sleep(0.3)
+            kept_while_fresh = not first.closed  # (pings alone for 0.3 s: not idle yet)
+            for _ in range(150):  # idle after 2 s of pings only, checked every 0.2 s
+                if first.closed and c.id not in a.conns and a.id not in c.conns:
+                    break
+                await asyncio.sleep(0.1)
+            closed = first.closed and list(a.conns) == [hub.id]
+            again = await a.reach(c.id)
+            return reached, kept_while_fresh, closed, again is not None and again is not first and not again.closed
+        finally:
+            for n in (a, c, hub):
+                await n.stop()
+
+    assert asyncio.run(scenario()) == (True, True, True, True)

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -28,6 +29,7 @@ from .accounting import Traffic
 log = logging.getLogger(__name__)
 
 Handler = Callable[["Connection", Message], Awaitable[None]]
+KEEPALIVE = ("ping", "pong")  # messages that do not count as using a connection
 
 
 class PeerGone(Exception):
@@ -71,6 +73,7 @@ class Connection(asyncio.BufferedProtocol):
         self._events_in: list = []  # session events not yet taken by `_events`
         self._wakeup: asyncio.Future | None = None  # what `_events` waits on
         self._heard = 0.0  # loop time the peer last sent bytes
+        self.used = time.monotonic()  # when it was opened or last carried more than pings
         self._gone: PeerGone | None = None  # why the socket ended, once it has
         self._eof: PeerGone | None = None  # set once the peer has said it sends nothing more
         self._lost = asyncio.get_running_loop().create_future()  # done when the socket is closed
@@ -186,6 +189,7 @@ class Connection(asyncio.BufferedProtocol):
             if self._gone is not None:
                 raise self._gone
         self.traffic.count("sent", self.label, kind, sum(len(p) for p in pieces), raw)
+        self._note(kind)
 
     async def send_tensor(self, tensor: torch.Tensor | Encoded, codec: str = "raw", compression: str = "none") -> int:
         """Stream a tensor in chunk frames; returns the stream id to reference in a later message.
@@ -256,8 +260,14 @@ class Connection(asyncio.BufferedProtocol):
     def _count(self, event: Opened | Arrived | Frame) -> None:
         if isinstance(event, Arrived):
             self.traffic.count("received", self.label, event.message.t, event.size)
+            self._note(event.message.t)
         elif isinstance(event, Frame):
             self.traffic.count("received", self.label, event.kind, event.size, event.raw)
+            self._note(event.kind)
+
+    def _note(self, kind: str) -> None:
+        if kind not in KEEPALIVE:
+            self.used = time.monotonic()
 
     async def serve(self, handler: Handler, idle_timeout: float) -> None:
         """Read until the peer goes: replies resolve waiting requests, everything else goes to handler.

@@ -155,6 +155,7 @@ class Node:
         self.boot = os.urandom(8)  # tells peers a restarted node from a second connection of this one
         self._dialing: set[str] = set()
         self._reaching: dict[str, asyncio.Task] = {}  # node id -> the dial that reach() waits on
+        self._reached: set[Connection] = set()  # connections reach() dialled, closed again when idle
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
@@ -212,9 +213,7 @@ class Node:
         for task in list(self._tasks):
             task.cancel()
         for conn in list(self.conns.values()):
-            with contextlib.suppress(PeerGone):
-                await conn.send(Bye(reason="shutdown"))
-            await conn.close()
+            await self._say_bye(conn, "shutdown")
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.write_state()
         self.identity.release()
@@ -281,7 +280,9 @@ class Node:
                 self._reaching[node] = self.spawn(self.dial(self.known[node].addr))
                 self._reaching[node].add_done_callback(lambda _: self._reaching.pop(node, None))
             conn = await asyncio.shield(self._reaching[node])
-            if conn is None:  # (it dialled this node at the same time, or gossip was dialling it: either won)
+            if conn is not None:
+                self._reached.add(conn)
+            else:  # (it dialled this node at the same time, or gossip was dialling it: either won)
                 conn = self.conns.get(node) or await self._dialled_by_gossip(node)
         return conn if conn is not None and conn.label == node and not conn.closed else None
 
@@ -308,6 +309,7 @@ class Node:
             self.clients.add(conn)
         await conn.serve(self._handle, self.cfg.dead_after)
         self.clients.discard(conn)
+        self._reached.discard(conn)
         if self.conns.get(conn.label) is conn:
             del self.conns[conn.label]
             self._membership_changed.set()
@@ -418,6 +420,23 @@ class Node:
             for conn in [*self.conns.values(), *self.clients]:
                 with contextlib.suppress(PeerGone):
                     await conn.send(Ping(ts=time.monotonic()))
+            self.close_idle(time.monotonic())
+
+    def close_idle(self, now: float) -> None:
+        """Close the connections reach() dialled that carried nothing but pings for reach_idle, the
+        longest idle first, while the node holds more than max_peers: averaging in a large group
+        reaches new peers round after round, and they would otherwise all stay open."""
+        idle = sorted((c for c in self._reached if self.conns.get(c.label) is c and now - c.used > self.cfg.reach_idle),
+                      key=lambda c: c.used)
+        for conn in idle[: max(0, len(self.conns) - self.cfg.max_peers)]:
+            log.debug("closing the idle connection to %s (reached for averaging)", conn.label[:8])
+            self._reached.discard(conn)
+            self.spawn(self._say_bye(conn, "idle"))
+
+    async def _say_bye(self, conn: Connection, reason: str) -> None:
+        with contextlib.suppress(PeerGone):
+            await conn.send(Bye(reason=reason))
+        await conn.close()
 
     async def _gossip_loop(self) -> None:
         """Gossip every gossip_interval until membership is settled (nothing new learned, every peer
