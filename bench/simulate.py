@@ -256,10 +256,12 @@ class Swarm:
 
     def announce(self, m: Member) -> None:
         """A node's version to its standing connections and to the peers it averaged with in its last
-        round (its row and column). Versions spread from peer to peer: a node that fetches a
-        preferred version announces it in turn."""
+        round (its row and column); a node that is not a member, to the row it will send its parts
+        to. Versions spread from peer to peer: a node that fetches a preferred version announces it
+        in turn."""
         version, synced = m.replica.state.version, m.replica.synced
-        for peer in sorted(m.links | (m.sent[max(m.sent)][1] if m.sent else set())):
+        row = set() if synced else set(m.replica.row_peers())  # (a joiner: to the row it will send its parts to)
+        for peer in sorted(m.links | row | (m.sent[max(m.sent)][1] if m.sent else set())):
             self.send(m, peer, 120, self.heard, m.name, version, synced, averaging=False)
 
     def heard(self, m: Member, sender: str, version: Version, synced: bool) -> None:

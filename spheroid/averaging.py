@@ -44,8 +44,10 @@ version as members). A replica is a member of its next group only if its own par
 its peers agree on the group without depending on when announcements arrive; half, not all, so
 that a column lost with its owner does not drop the rest of that owner's row. A replica that
 fetched its state (a joiner, a restart) is not a member: it sends its parts to the members' ranges
-and owns none, so nobody waits for it; once its parts are in, it is a contributor, in step, and a
-member from the next round on. A column owner that dies also takes with it the cells it would
+and owns none; once its parts are in, it is a contributor, in step, and a member from the next
+round on. It announces its version to the row it sends its parts to, and the owners there wait for
+its parts as for their row's, but no later than the row stage's time, so a slow joiner delays
+nobody past it. A column owner that dies also takes with it the cells it would
 have passed on to its row; the owners of those cells notice its row's average missing and send
 their cells to that row themselves.
 
@@ -592,7 +594,7 @@ class Replica:
     def _averages(self, now: float) -> list[Outgoing]:
         """The averages whose inputs are all in, or whose stage's time has come."""
         out = []
-        row = set(self.layout.rows[self.row])
+        row = set(self.layout.rows[self.row]) | self._joining()
         for c in self.mine:
             if c not in self.row_done and (row <= set(self.parts[c]) or now >= self._due_at("row")):
                 out += self._average_row(c)
@@ -827,6 +829,22 @@ class Replica:
     def members(self) -> list[str]:
         """The group of the round that starts from this replica's state, as it knows it now."""
         return sorted(self.expected | ({self.me} if self.synced else set()))
+
+    def row_peers(self) -> list[str]:
+        """The peers this replica will send its parts to in the round that starts from its state (its
+        row, laid out as its peers lay it out). A joiner announces its version to them, so that they
+        wait for its parts (`_joining`)."""
+        layout = Layout.of(self.members() or [self.me], self.n_params, self.cfg.flat)
+        return [p for p in layout.rows[layout.row_of(self.me)] if p != self.me]
+
+    def _joining(self) -> set[str]:
+        """Peers not in the group that announced this replica's state and send their parts to its row
+        (joiners, restarted nodes). A row owner waits for their parts as for its row's, up to the
+        row stage's time: otherwise a joiner's part counts only if it beats the row's last member,
+        and joiners take many rounds to become members."""
+        return {p for p, (v, synced) in self.announced.items()
+                if not synced and v == self.state.version and p not in self.layout.where
+                and self.layout.row_of(p) == self.row}
 
     def _in_step(self) -> set[str]:
         return {p for p, (v, synced) in self.announced.items() if synced and v == self.state.version}

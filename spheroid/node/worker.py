@@ -414,7 +414,11 @@ class BlockWorker:
     # --- messages -----------------------------------------------------------------------------------
 
     async def _announce(self) -> None:
-        for conn in list(self.node.conns.values()):
+        conns = list(self.node.conns.values())
+        if not self.replica.synced:  # (not a member: also to the row it sends its parts to, so it is waited for)
+            rows = [p for p in self.replica.row_peers() if p not in self.node.conns]
+            conns += [c for c in await asyncio.gather(*(self.node.reach(p) for p in rows)) if c is not None]
+        for conn in conns:
             await self.on_peer(conn)
 
     async def on_peer(self, conn: Connection) -> None:
