@@ -67,7 +67,7 @@ def tensor_json(values, shape, dtype="float32", codec="raw", compression="none",
 
 
 VALID = {
-    "hello": {"t": "hello", "id": 1, "version": 6, "swarm": "spheroid", "node": "0f" * 16,
+    "hello": {"t": "hello", "id": 1, "version": 7, "swarm": "spheroid", "node": "0f" * 16,
               "addr": "10.0.0.1:7400", "role": "worker", "blocks": [2], "nonce": {"$bin": "a5" * 16},
               "auth": True, "boot": {"$bin": "01" * 8}},
     "auth": {"t": "auth", "id": 2, "mac": {"$bin": "5c" * 32}},
