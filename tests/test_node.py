@@ -15,7 +15,7 @@ from spheroid.config import NodeConfig
 from spheroid.node.accounting import Traffic
 from spheroid.node.connection import Connection, PeerGone, dial
 from spheroid.node.identity import load_or_create
-from spheroid.node.node import Node
+from spheroid.node.node import Node, PeerInfo
 from spheroid.wire import VERSION, ProtocolError, encode
 from spheroid.wire.messages import Message, Peers, PeersReply, Status
 from spheroid.wire.session import Session
@@ -385,3 +385,54 @@ def test_a_reached_connection_is_closed_once_idle_while_over_max_peers_and_reach
                 await n.stop()
 
     assert asyncio.run(scenario()) == (True, True, True, True)
+
+
+def test_the_side_that_dialled_pings_and_a_settled_full_mesh_asks_two_peers_for_peer_lists(tmp_path):
+    """Keepalives and peer lists were a third of what a settled swarm that averages rarely moved:
+    the acceptor of a connection answers pings instead of sending its own (but for its RTT, now and
+    then), and a node connected to every peer it knows asks only two of them once settled."""
+
+    async def main() -> tuple:
+        ports = [free_port() for _ in range(4)]
+        nodes = []
+        for i, port in enumerate(ports):
+            cfg = NodeConfig(listen=f"127.0.0.1:{port}", peers=(f"127.0.0.1:{ports[0]}",) if i else (),
+                             identity=str(tmp_path / f"n{i}.json"), ping_interval=0.5)
+            nodes.append(Node(cfg, load_or_create(cfg.identity)))
+            await nodes[-1].start()
+        try:
+            while any(len(n.conns) < 3 for n in nodes):  # the full mesh
+                await asyncio.sleep(0.05)
+            seed, joiner = nodes[0], nodes[1]
+            if not joiner.conns[seed.id].outbound:  # (it dialled the seed, unless the seed won a mutual dial)
+                seed, joiner = joiner, seed
+
+            def pings(a: Node, b: Node) -> int:
+                return a.traffic.by_type(b.id)["sent"].get("ping", {}).get("frames", 0)
+
+            before = pings(joiner, seed), pings(seed, joiner)
+            await asyncio.sleep(5.0)
+            dialler, acceptor = pings(joiner, seed) - before[0], pings(seed, joiner) - before[1]
+
+            seed = nodes[0]
+
+            def asked() -> int:
+                return seed.traffic.by_type()["sent"].get("peers", {}).get("frames", 0)
+
+            counts = []
+            for everyone in (True, False):
+                start = asked()
+                await seed.gossip_once(everyone=everyone)
+                counts.append(asked() - start)
+            seed.known["ab" * 16] = PeerInfo("ab" * 16, "127.0.0.1:9", "worker", [0], [])  # not connected
+            start = asked()
+            await seed.gossip_once(everyone=False)
+            counts.append(asked() - start)
+            return dialler, acceptor, counts
+        finally:
+            for n in nodes:
+                await n.stop()
+
+    dialler, acceptor, counts = asyncio.run(main())
+    assert dialler >= 5 and acceptor <= dialler // 3, (dialler, acceptor)  # (about 10 against 0 or 1)
+    assert counts == [3, 2, 3]  # all, two once settled, all while a known peer is not connected

@@ -155,6 +155,11 @@ class Connection(asyncio.BufferedProtocol):
             await self._flush("auth")
         return self.hello
 
+    @property
+    def heard(self) -> float:
+        """Loop time the peer last sent bytes."""
+        return self._heard
+
     def next_id(self) -> int:
         return self.session.next_id()
 

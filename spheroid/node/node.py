@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import itertools
 import json
 import logging
 import os
@@ -56,6 +57,8 @@ log = logging.getLogger(__name__)
 
 CLIENTS = "clients"  # the one accounting label of all client connections (status, assemble, ...)
 DIALS_AT_ONCE = 16  # dials to learned peers in flight at once
+SETTLED_FANOUT = 2  # peers a node connected to all it knows asks for peer lists once membership settles
+RTT_EVERY = 15  # ping intervals between the pings a node sends to a peer that dialled it (for the RTT)
 # bytes of large frames read into buffers of their own, all connections together (beyond it, a
 # frame waits in its connection's scratch buffer as its bytes arrive)
 FRAMES_IN_FLIGHT = 64 << 20
@@ -413,13 +416,19 @@ class Node:
     # --- loops ------------------------------------------------------------------------------------
 
     async def _ping_loop(self) -> None:
-        """Ping every connection, clients included, so that each side hears the other while a long
-        request runs (a client answers with pong: PROTOCOL.md, section 5)."""
-        while True:
+        """Ping connections so that each side hears the other while a long request runs (a client
+        answers with pong: PROTOCOL.md, section 5). Between peers the side that dialled pings and the
+        other answers, so each hears the other every interval; the other side pings only when it
+        has heard nothing for longer than that, and every RTT_EVERY intervals for its own RTT (in a
+        swarm that averages rarely, pings in both directions had been a sixth of the bytes moved)."""
+        loop = asyncio.get_running_loop()
+        for beat in itertools.count(1):
             await asyncio.sleep(self.cfg.ping_interval)
+            quiet = loop.time() - 1.5 * self.cfg.ping_interval
             for conn in [*self.conns.values(), *self.clients]:
-                with contextlib.suppress(PeerGone):
-                    await conn.send(Ping(ts=time.monotonic()))
+                if conn.outbound or conn in self.clients or conn.heard < quiet or beat % RTT_EVERY == 0:
+                    with contextlib.suppress(PeerGone):
+                        await conn.send(Ping(ts=time.monotonic()))
             self.close_idle(time.monotonic())
 
     def close_idle(self, now: float) -> None:
@@ -454,16 +463,22 @@ class Node:
                 await asyncio.sleep(self.cfg.gossip_interval)  # (let a burst of changes settle first)
             changed = self._membership_changed.is_set()
             self._membership_changed.clear()
-            settled = await self.gossip_once()
+            settled = await self.gossip_once(everyone=changed or interval == self.cfg.gossip_interval)
             interval = min(2 * interval, self.cfg.gossip_max) if settled and not changed else self.cfg.gossip_interval
 
-    async def gossip_once(self) -> bool:
-        """Ask every connected peer for a sample of its peers (all at once, so a slow peer delays
-        nobody), learn new ones, forget stale ones, and start dialling a few. Whether membership
-        looks settled: nothing new learned, and no known peer left to connect to while there is room."""
+    async def gossip_once(self, everyone: bool = True) -> bool:
+        """Ask every connected peer for a sample of its peers, all at once so a slow peer delays
+        nobody; learn new ones, forget stale ones, and start dialling a few. Not `everyone` (membership
+        looked settled) and connected to every peer it knows, it asks only SETTLED_FANOUT of them at
+        random: there is nothing to keep fresh that its connections do not, and news of a joiner
+        still spreads peer to peer. Whether membership looks settled: nothing new learned, and no
+        known peer left to connect to while there is room."""
         now = time.monotonic()
         known = len(self.known)
-        await asyncio.gather(*(self._ask_peers(conn, now) for conn in list(self.conns.values())))
+        asked = list(self.conns.values())
+        if not everyone and all(n in self.conns for n in self.known):
+            asked = random.sample(asked, min(len(asked), SETTLED_FANOUT))
+        await asyncio.gather(*(self._ask_peers(conn, now) for conn in asked))
         learned = max(0, len(self.known) - known)
         for node in [n for n in self.conns if n in self.known]:
             self.known[node].last_seen = now
