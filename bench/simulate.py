@@ -260,13 +260,14 @@ class Swarm:
         to. Versions spread from peer to peer: a node that fetches a preferred version announces it
         in turn."""
         version, synced = m.replica.state.version, m.replica.synced
-        row = set() if synced else set(m.replica.row_peers())  # (a joiner: to the row it will send its parts to)
+        joining = not synced and self.now < self.stop_at  # (training, not a member)
+        row = set(m.replica.row_peers()) if joining else set()  # (to the row it will send its parts to)
         for peer in sorted(m.links | row | (m.sent[max(m.sent)][1] if m.sent else set())):
-            self.send(m, peer, 120, self.heard, m.name, version, synced, averaging=False)
+            self.send(m, peer, 120, self.heard, m.name, version, synced, joining, averaging=False)
 
-    def heard(self, m: Member, sender: str, version: Version, synced: bool) -> None:
+    def heard(self, m: Member, sender: str, version: Version, synced: bool, joining: bool) -> None:
         if m.alive:
-            m.replica.note_version(sender, version, synced)
+            m.replica.note_version(sender, version, synced, joining)
             if m.replica.ready_at is None and m.token == 0:
                 return  # a joiner still waiting for gossip
             if m.replica.wants(version, in_round=self.now < self.stop_at):  # (else nothing new to fetch)

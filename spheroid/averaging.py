@@ -371,6 +371,7 @@ class Replica:
 
     def __post_init__(self) -> None:
         self.announced: dict[str, tuple[Version, bool]] = {}  # peer -> (its version, reached by a round?)
+        self.joiners: dict[str, Version] = {}  # peers not in step that said they will send parts from a version
         self.owed: torch.Tensor | None = None  # (P,) error feedback: what the codec lost of ranges averaged here
         self.owed_rows: torch.Tensor | None = None  # (P,) ... and of the row averages sent from here (two levels)
         self._start_round()
@@ -811,9 +812,10 @@ class Replica:
 
     # --- versions -----------------------------------------------------------------------------------
 
-    def note_version(self, peer: str, version: Version, synced: bool) -> None:
+    def note_version(self, peer: str, version: Version, synced: bool, joining: bool = False) -> None:
         """A peer announced its version; `synced` when it got there by closing a round whose every range
-        its parts went into (or holds genesis), and is still training.
+        its parts went into (or holds genesis), and is still training; `joining` when it is not, but
+        trains and will send its parts in the round that starts from that version (`_joining`).
 
         Peers in step (synced, on this replica's version) are members of its next group; a peer
         that fetched the state (a joiner, a restarted node) is not, until it has contributed. (Same
@@ -825,6 +827,10 @@ class Replica:
         self.announced[peer] = (version, synced)
         if synced and version == self.state.version:
             self.expected.add(peer)
+        if joining and not synced:
+            self.joiners[peer] = version
+        else:
+            self.joiners.pop(peer, None)
 
     def members(self) -> list[str]:
         """The group of the round that starts from this replica's state, as it knows it now."""
@@ -838,13 +844,13 @@ class Replica:
         return [p for p in layout.rows[layout.row_of(self.me)] if p != self.me]
 
     def _joining(self) -> set[str]:
-        """Peers not in the group that announced this replica's state and send their parts to its row
-        (joiners, restarted nodes). A row owner waits for their parts as for its row's, up to the
-        row stage's time: otherwise a joiner's part counts only if it beats the row's last member,
-        and joiners take many rounds to become members."""
-        return {p for p, (v, synced) in self.announced.items()
-                if not synced and v == self.state.version and p not in self.layout.where
-                and self.layout.row_of(p) == self.row}
+        """Peers not in the group that announced they join from this replica's state and send their
+        parts to its row (joiners, restarted nodes; not a node that finished training). A row owner
+        waits for their parts as for its row's, up to the row stage's time: otherwise a joiner's
+        part counts only if it beats the row's last member, and joiners take many rounds to become
+        members."""
+        return {p for p, v in self.joiners.items()
+                if v == self.state.version and p not in self.layout.where and self.layout.row_of(p) == self.row}
 
     def _in_step(self) -> set[str]:
         return {p for p, (v, synced) in self.announced.items() if synced and v == self.state.version}

@@ -330,7 +330,7 @@ def test_row_owners_wait_for_an_announced_joiner_until_the_row_stage_and_no_long
         a, b, joiner = replicas(3, AveragingConfig(wait=1.0))
         for r in (a, b):  # the joiner fetched their state and announced it to its row
             r.expected.discard(joiner.me)
-            r.note_version(joiner.me, r.state.version, synced=False)
+            r.note_version(joiner.me, r.state.version, synced=False, joining=True)
         joiner.synced, joiner.expected = False, {a.me, b.me}
         return a, b, joiner
 
@@ -359,6 +359,15 @@ def test_row_owners_wait_for_an_announced_joiner_until_the_row_stage_and_no_long
     for r, out in outs:
         deliver(by, r, out, 0.0)
     assert a.due(0.45) == [] and a.due(0.5)
+
+    a, b, done = setup()  # a node that finished training says so: nobody waits for it
+    for r in (a, b):
+        r.note_version(done.me, r.state.version, synced=False, joining=False)
+    by = {r.me: r for r in (a, b, done)}
+    outs = [(r, r.submit(torch.full((P,), value), 8, now=0.0)) for r, value in ((a, 0.1), (b, 0.2))]
+    for r, out in outs:
+        deliver(by, r, out, 0.0)
+    assert a.due(0.0) and b.due(0.0)
 
 
 def test_nesterov_outer_step_matches_its_formula_and_carries_momentum():
@@ -582,10 +591,10 @@ class Sim:
         self.maybe_fetch(r)
         self.train(r)
 
-    def announce(self, r: Replica, sender: Replica, version: Version, synced: bool) -> None:
+    def announce(self, r: Replica, sender: Replica, version: Version, synced: bool, joining: bool = False) -> None:
         if r.me in self.dead or sender.me in self.dead:
             return
-        r.note_version(sender.me, version, synced)
+        r.note_version(sender.me, version, synced, joining)
         self.maybe_fetch(r)
 
     def maybe_fetch(self, r: Replica) -> None:
@@ -603,8 +612,8 @@ class Sim:
         was_waiting = r.ready_at is not None
         self.local[r.me] = r.adopt(state, self.local[r.me])
         for peer in self.group:
-            if peer is not r:
-                self.at(self.latency, self.announce, peer, r, state.version, False)
+            if peer is not r:  # (not a member: it joins, and trains until stop_at)
+                self.at(self.latency, self.announce, peer, r, state.version, False, self.now < self.stop_at)
         if was_waiting:  # its round was dropped with the old base: back to training
             self.train(r)
 

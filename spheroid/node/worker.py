@@ -413,13 +413,22 @@ class BlockWorker:
 
     # --- messages -----------------------------------------------------------------------------------
 
+    @property
+    def joining(self) -> bool:
+        """Training, but not a member of the next round's group: it sends its parts to one row."""
+        return not self.replica.synced and not self.done
+
     async def _announce(self) -> None:
-        conns = list(self.node.conns.values())
-        if not self.replica.synced:  # (not a member: also to the row it sends its parts to, so it is waited for)
-            rows = [p for p in self.replica.row_peers() if p not in self.node.conns]
-            conns += [c for c in await asyncio.gather(*(self.node.reach(p) for p in rows)) if c is not None]
-        for conn in conns:
+        for conn in list(self.node.conns.values()):
             await self.on_peer(conn)
+        if self.joining:  # also to the row it sends its parts to, connected or not, so it is waited for
+            self.node.spawn(self._announce_to_row())
+
+    async def _announce_to_row(self) -> None:
+        rows = [p for p in self.replica.row_peers() if p not in self.node.conns]
+        for conn in await asyncio.gather(*(self.node.reach(p) for p in rows)):
+            if conn is not None:
+                await self.on_peer(conn)
 
     async def on_peer(self, conn: Connection) -> None:
         """Tell a same-block peer which state this node holds, and a peer of a later block that reads it."""
@@ -427,7 +436,7 @@ class BlockWorker:
         if self.block in conn.hello.blocks or readers:
             with contextlib.suppress(PeerGone):
                 await conn.send(messages.Version(block=self.block, **self.replica.state.version.to_wire(),
-                                                 synced=self.replica.synced))
+                                                 synced=self.replica.synced, joining=self.joining or None))
 
     async def on_version(self, conn: Connection, msg: messages.Message) -> None:
         if msg.block < self.block:
@@ -435,7 +444,7 @@ class BlockWorker:
         if msg.block != self.block:
             return
         version = Version(msg.round, msg.samples, msg.hash)
-        self.replica.note_version(conn.label, version, msg.synced)
+        self.replica.note_version(conn.label, version, msg.synced, bool(msg.joining))
         self.changed.set()
         if not self.fresh and self.replica.wants(version, in_round=not self.done):  # (else nothing new to fetch)
             self._settle_fetch()

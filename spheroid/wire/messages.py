@@ -49,7 +49,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # average of parts of a range (a cell's, or in large groups a row's on its way to the cell's
     # owner); "age" is how long the sender's round had run. The tensor travels first as a stream on
     # the same connection, then the message that names it
-    "version": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "synced": "bool"},
+    "version": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "synced": "bool",
+                "joining": "bool?"},
     "update": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
                "age": "float", "stream": "uint"},
     "reduced": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
