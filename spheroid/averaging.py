@@ -836,12 +836,26 @@ class Replica:
         """The group of the round that starts from this replica's state, as it knows it now."""
         return sorted(self.expected | ({self.me} if self.synced else set()))
 
+    def _next_layout(self) -> Layout:
+        """The layout of the round that starts from this replica's state, as it knows the group now."""
+        return Layout.of(self.members() or [self.me], self.n_params, self.cfg.flat)
+
     def row_peers(self) -> list[str]:
         """The peers this replica will send its parts to in the round that starts from its state (its
         row, laid out as its peers lay it out). A joiner announces its version to them, so that they
         wait for its parts (`_joining`)."""
-        layout = Layout.of(self.members() or [self.me], self.n_params, self.cfg.flat)
+        layout = self._next_layout()
         return [p for p in layout.rows[layout.row_of(self.me)] if p != self.me]
+
+    def partners(self) -> set[str]:
+        """The peers this replica exchanges with in its round and in the next, as far as it knows the
+        next group: its row, and the owners of its column in the other rows (a node keeps its
+        connections to them open)."""
+        out = set()
+        for layout in [self.layout, self._next_layout()] if self.layout else [self._next_layout()]:
+            out.update(layout.rows[layout.row_of(self.me)])
+            out.update(layout.owner(r, c) for c in layout.owned(self.me) for r in range(len(layout.rows)))
+        return out - {self.me}
 
     def _joining(self) -> set[str]:
         """Peers not in the group that announced they join from this replica's state and send their

@@ -258,6 +258,17 @@ def test_in_two_levels_a_node_sends_about_two_vectors_to_about_two_sqrt_n_peers(
     assert len({r.close().state.version.hash for r in group}) == 1
 
 
+def test_a_replicas_partners_are_its_row_and_its_column_this_round_and_the_next():
+    group = replicas(64, AveragingConfig(wait=1.0), p=1 << 16)
+    me = group[9]
+    layout = Layout.of([r.me for r in group], 1 << 16, flat=16)
+    r, (c,) = layout.row_of(me.me), layout.owned(me.me)
+    column = {layout.owner(row, c) for row in range(len(layout.rows))}
+    assert me.partners() == (set(layout.rows[r]) | column) - {me.me}  # before submit: the next round's
+    me.submit(torch.zeros(1 << 16), 8, now=0.0)
+    assert me.partners() == (set(layout.rows[r]) | column) - {me.me} and len(me.partners()) <= 2 * 8
+
+
 def test_a_node_sends_two_vectors_per_round_whatever_the_number_of_replicas():
     for n in (2, 4, 8):
         group = replicas(n)

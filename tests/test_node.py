@@ -350,7 +350,8 @@ def test_a_node_reaches_a_peer_it_knows_from_gossip_but_is_not_connected_to(tmp_
 def test_a_reached_connection_is_closed_once_idle_while_over_max_peers_and_reached_again(tmp_path):
     """Averaging in a large group reaches new peers every round: a connection reach() dialled is
     closed once it carried nothing but pings for reach_idle while the node is over max_peers (so its
-    connections stay bounded), and reach dials the peer again when it is needed again."""
+    connections stay bounded), and reach dials the peer again when it is needed again; a peer the
+    averager keeps (its row and column) stays connected however long it is idle."""
 
     async def scenario() -> tuple:
         def config(name: str, *peers: str) -> NodeConfig:
@@ -379,12 +380,15 @@ def test_a_reached_connection_is_closed_once_idle_while_over_max_peers_and_reach
                 await asyncio.sleep(0.1)
             closed = first.closed and list(a.conns) == [hub.id]
             again = await a.reach(c.id)
-            return reached, kept_while_fresh, closed, again is not None and again is not first and not again.closed
+            reached_again = again is not None and again is not first and not again.closed
+            a.keep.append(lambda: {c.id})  # (the averager's partners: its row and column)
+            await asyncio.sleep(3.0)
+            return reached, kept_while_fresh, closed, reached_again, not again.closed
         finally:
             for n in (a, c, hub):
                 await n.stop()
 
-    assert asyncio.run(scenario()) == (True, True, True, True)
+    assert asyncio.run(scenario()) == (True, True, True, True, True)
 
 
 def test_the_side_that_dialled_pings_and_a_settled_full_mesh_asks_two_peers_for_peer_lists(tmp_path):

@@ -34,6 +34,7 @@ class Averager:
         self.changed = changed or asyncio.Event()  # set whenever something arrives that may end a wait
         self.sends: list[asyncio.Task] = []
         node.handlers.update(update=self.on_update, reduced=self.on_reduced)
+        node.keep.append(replica.partners)
 
     async def round(self, delta: torch.Tensor, samples: int, interrupt: Callable[[], bool] = lambda: False
                     ) -> Closed | None:

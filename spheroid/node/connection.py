@@ -73,6 +73,7 @@ class Connection(asyncio.BufferedProtocol):
         self._events_in: list = []  # session events not yet taken by `_events`
         self._wakeup: asyncio.Future | None = None  # what `_events` waits on
         self._heard = 0.0  # loop time the peer last sent bytes
+        self.said = 0.0  # loop time this side last wrote a frame
         self.used = time.monotonic()  # when it was opened or last carried more than pings
         self._gone: PeerGone | None = None  # why the socket ended, once it has
         self._eof: PeerGone | None = None  # set once the peer has said it sends nothing more
@@ -194,6 +195,7 @@ class Connection(asyncio.BufferedProtocol):
             if self._gone is not None:
                 raise self._gone
         self.traffic.count("sent", self.label, kind, sum(len(p) for p in pieces), raw)
+        self.said = asyncio.get_running_loop().time()
         self._note(kind)
 
     async def send_tensor(self, tensor: torch.Tensor | Encoded, codec: str = "raw", compression: str = "none") -> int:

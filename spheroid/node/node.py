@@ -159,6 +159,8 @@ class Node:
         self._dialing: set[str] = set()
         self._reaching: dict[str, asyncio.Task] = {}  # node id -> the dial that reach() waits on
         self._reached: set[Connection] = set()  # connections reach() dialled, closed again when idle
+        # peers that components (the averager) will exchange with soon: their connections stay open
+        self.keep: list[Callable[[], set[str]]] = []
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
@@ -283,9 +285,9 @@ class Node:
                 self._reaching[node] = self.spawn(self.dial(self.known[node].addr))
                 self._reaching[node].add_done_callback(lambda _: self._reaching.pop(node, None))
             conn = await asyncio.shield(self._reaching[node])
-            if conn is not None:
+            if conn is not None and conn.label == node and not conn.closed:
                 self._reached.add(conn)
-            else:  # (it dialled this node at the same time, or gossip was dialling it: either won)
+            elif conn is None:  # (it dialled this node at the same time, or gossip was dialling it: either won)
                 conn = self.conns.get(node) or await self._dialled_by_gossip(node)
         return conn if conn is not None and conn.label == node and not conn.closed else None
 
@@ -418,15 +420,19 @@ class Node:
     async def _ping_loop(self) -> None:
         """Ping connections so that each side hears the other while a long request runs (a client
         answers with pong: PROTOCOL.md, section 5). Between peers the side that dialled pings and the
-        other answers, so each hears the other every interval; the other side pings only when it
-        has heard nothing for longer than that, and every RTT_EVERY intervals for its own RTT (in a
-        swarm that averages rarely, pings in both directions had been a sixth of the bytes moved)."""
+        other answers, so each hears the other every interval (in a swarm that averages rarely,
+        pings in both directions had been a sixth of the bytes moved). The other side pings too
+        when it has heard or said nothing for longer than that (its peer's pings, or its own pongs,
+        are stuck behind a large transfer), when it has no RTT for the peer yet, and every RTT_EVERY
+        intervals for its RTT."""
         loop = asyncio.get_running_loop()
         for beat in itertools.count(1):
             await asyncio.sleep(self.cfg.ping_interval)
             quiet = loop.time() - 1.5 * self.cfg.ping_interval
             for conn in [*self.conns.values(), *self.clients]:
-                if conn.outbound or conn in self.clients or conn.heard < quiet or beat % RTT_EVERY == 0:
+                info = self.known.get(conn.label)
+                if (conn.outbound or conn in self.clients or min(conn.heard, conn.said) < quiet
+                        or info is None or info.rtt_ms is None or beat % RTT_EVERY == 0):
                     with contextlib.suppress(PeerGone):
                         await conn.send(Ping(ts=time.monotonic()))
             self.close_idle(time.monotonic())
@@ -434,9 +440,13 @@ class Node:
     def close_idle(self, now: float) -> None:
         """Close the connections reach() dialled that carried nothing but pings for reach_idle, the
         longest idle first, while the node holds more than max_peers: averaging in a large group
-        reaches new peers round after round, and they would otherwise all stay open."""
-        idle = sorted((c for c in self._reached if self.conns.get(c.label) is c and now - c.used > self.cfg.reach_idle),
-                      key=lambda c: c.used)
+        reaches new peers round after round, and they would otherwise all stay open. Connections to
+        the peers a component keeps (the averager: its row and column, this round and the next)
+        stay open, however long training takes between rounds."""
+        self._reached = {c for c in self._reached if not c.closed}
+        keep = set().union(*(partners() for partners in self.keep))
+        idle = sorted((c for c in self._reached if self.conns.get(c.label) is c and c.label not in keep
+                       and now - c.used > self.cfg.reach_idle), key=lambda c: c.used)
         for conn in idle[: max(0, len(self.conns) - self.cfg.max_peers)]:
             log.debug("closing the idle connection to %s (reached for averaging)", conn.label[:8])
             self._reached.discard(conn)
