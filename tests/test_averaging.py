@@ -258,6 +258,12 @@ def test_in_two_levels_a_node_sends_about_two_vectors_to_about_two_sqrt_n_peers(
     assert len({r.close().state.version.hash for r in group}) == 1
 
 
+def test_int2_averaging_needs_error_feedback():
+    with pytest.raises(ValueError, match="error feedback"):
+        AveragingConfig(codec="int2")
+    assert AveragingConfig(codec="int2", feedback=True).lossy
+
+
 def test_a_replicas_partners_are_its_row_and_its_column_this_round_and_the_next():
     group = replicas(64, AveragingConfig(wait=1.0), p=1 << 16)
     me = group[9]

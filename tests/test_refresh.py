@@ -29,9 +29,10 @@ def test_a_tracked_copy_keeps_the_error_of_one_change(codec):
     copy, untracked = genesis.clone(), genesis.clone()
     errors, untracked_errors = [], []
     for prev, state in zip(states, states[1:], strict=False):
-        change = holder.change(state_hash(copy), {state_hash(genesis): genesis}, state, codec)
-        assert change is not None  # the holder knows the copy it made last time
-        copy = copy + through_codec(change, codec)  # what the reader does with what arrives
+        got = holder.change(state_hash(copy), {state_hash(genesis): genesis}, state, codec)
+        assert got is not None  # the holder knows the copy it made last time
+        change, sent_in = got
+        copy = copy + through_codec(change, sent_in)  # what the reader does with what arrives
         untracked = untracked + through_codec(state - prev, codec)  # changes between versions
         errors.append((copy - state).norm() / (state - prev).norm())
         untracked_errors.append((untracked - state).norm() / (state - prev).norm())
@@ -49,3 +50,16 @@ def test_a_holder_that_does_not_know_the_copy_says_so_and_keeps_a_bounded_number
     for state in states[1:]:
         assert holder.change(state_hash(states[0]), known, state, "int8") is not None
     assert len(holder.copies) == 2
+
+
+def test_a_first_change_goes_in_int8_and_later_ones_in_the_codec_asked_for():
+    """A change from genesis (or a recent state) is many rounds' worth: in int2 the copy would take
+    rounds to come close. From a copy the holder made, the change goes in the codec asked for."""
+    states = trajectory(2)
+    genesis = states[0]
+    holder = ReadersCopies()
+    change, codec = holder.change(state_hash(genesis), {state_hash(genesis): genesis}, states[1], "int2")
+    assert codec == "int8"
+    copy = genesis + through_codec(change, codec)
+    change, codec = holder.change(state_hash(copy), {}, states[2], "int2")
+    assert codec == "int2"

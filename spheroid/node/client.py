@@ -163,19 +163,20 @@ async def fetch_state(addr: str, block: int, cfg: NodeConfig, secret: bytes | No
 
 @dataclass(frozen=True)
 class StateDelta:
-    """What a holder may send instead of its state: how its parameters changed since a state the
-    requester holds, through a lossy codec. Applied to that state it gives a close copy of `version`,
-    not an exact one (its hash cannot be verified): good enough for a frozen copy a later block reads."""
+    """What a holder may send instead of its state: the change from parameters the requester holds
+    to its state's, through a lossy codec. Added to them it gives a close copy of `version`, not an
+    exact one (its hash cannot be verified): good enough for a frozen copy a later block reads."""
 
     version: Version  # the holder's state it leads to
-    since: str  # hash of the state it starts from
+    since: str  # hash of the parameters it starts from
     delta: torch.Tensor  # (P,) float32: the parameters' change (no outer momentum)
 
 
 async def request_state(conn: Connection, block: int, n_params: int | None = None, since: str | None = None,
                         codec: str | None = None) -> tuple[RunConfig, SharedState | StateDelta]:
     """Ask a peer for its state of `block`: its run configuration and the state, size and hash verified;
-    or, asked `since` a state this node holds and in `codec`, maybe the change since, size checked.
+    or, asked `since` parameters this node holds (their hash) and in `codec`, maybe the change from
+    them (in that codec or a finer one: the holder's choice), size checked.
 
     ValueError if the reply does not add up; PeerGone if the peer cannot or will not send it.
     """
@@ -193,7 +194,7 @@ async def request_state(conn: Connection, block: int, n_params: int | None = Non
         return run_cfg, state
     delta = reply.tensor
     if reply.since != since:
-        raise ValueError(f"a change since state {reply.since[:12]}, which this node did not ask for")
+        raise ValueError(f"a change from parameters {reply.since[:12]}, which this node did not ask for")
     if delta.dtype != torch.float32 or delta.dim() != 1 or delta.numel() != n_params:
         raise ValueError(f"a change of block {block} is {n_params} float32 values, got {tuple(delta.shape)} "
                          f"{delta.dtype}")

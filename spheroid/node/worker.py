@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -61,7 +62,8 @@ log = logging.getLogger(__name__)
 MAX_SERVING = 2  # state transfers a donor runs at once; more requesters are told to try another holder
 DELTA_CODECS = REFRESH_CODECS[1:]  # codecs a holder sends a change since a state in (all but fp32)
 RECENT = 4  # states a holder keeps, to send a reader the change from the one it holds
-COPIES = 16  # readers' copies a holder keeps (the last it made), to send the change from them
+COPIES = 64  # readers' copies a holder keeps (the last it made), to send the change from them,
+COPIES_BYTES = 256 << 20  # and at most this many bytes of them
 HISTORY = 50  # rounds kept in the status
 JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer,
 JOIN_SETTLE_S = 0.5  # then listens this long for versions before it picks a donor
@@ -78,13 +80,14 @@ def same_run(a: RunConfig, b: RunConfig) -> bool:
 
 
 async def fetch_from(node: Node, holders: list[str], block: int, n_params: int, cfg: RunConfig,
-                     since: str | None = None, codec: str | None = None) -> SharedState | StateDelta | None:
-    """Block `block`'s state from the first of `holders` (in this node's rendezvous order) that sends a
-    verified one of the same model and noise schedule (or, asked `since` a state in `codec`, maybe
-    the change since); None if none does."""
+                     since: str | None = None, codec: str | None = None,
+                     prefer: str | None = None) -> tuple[str, SharedState | StateDelta] | None:
+    """(donor, block `block`'s state) from the first of `holders` (`prefer` first if it is one, then
+    in this node's rendezvous order) that sends a verified one of the same model and noise schedule
+    (or, asked `since` parameters in `codec`, maybe the change from them); None if none does."""
     holders = list(holders)
     while holders:
-        donor = pick_donor(node.id, holders)
+        donor = prefer if prefer in holders else pick_donor(node.id, holders)
         holders.remove(donor)
         conn = node.conns.get(donor)
         if conn is None:
@@ -98,36 +101,44 @@ async def fetch_from(node: Node, holders: list[str], block: int, n_params: int, 
             continue
         log.info("fetched block %d's state %s (round %d) from %s", block, state.version.hash[:12],
                  state.version.round, donor[:8])
-        return state
+        return donor, state
     return None
 
 
 class ReadersCopies:
     """A holder's side of refreshes by change: the copies it made for readers, so that the next
-    change it sends a reader starts from the copy the reader actually holds."""
+    change it sends a reader starts from the copy the reader actually holds.
 
-    def __init__(self, limit: int = COPIES) -> None:
-        self.limit = limit
-        self.copies: dict[str, torch.Tensor] = {}  # by the hash of the parameters, the most recently used last
+    It keeps the last COPIES copies it made, at most COPIES_BYTES of them (a reader's copy is
+    replaced by the next one it asks for, so that is about that many readers). Thread-safe: the
+    worker computes changes off the event loop."""
+
+    def __init__(self, limit: int = COPIES, limit_bytes: int = COPIES_BYTES) -> None:
+        self.limit, self.limit_bytes = limit, limit_bytes
+        self.copies: dict[str, torch.Tensor] = {}  # by the hash of the parameters, the oldest made first
+        self.lock = threading.Lock()
 
     def change(self, since: str, known: dict[str, torch.Tensor], params: torch.Tensor,
-               codec: str) -> torch.Tensor | None:
-        """The change from the parameters hashed `since` (a copy made here, or one of `known`) to
-        `params`, to send in wire codec `codec`; None if this holder does not know them. Keeps the copy
-        the reader will make of it (the change as decoded, added as the reader adds it)."""
-        base = self.copies.pop(since, None)
-        if base is not None:
-            self.copies[since] = base
-        else:
-            base = known.get(since)
-        if base is None:
-            return None
-        change = params - base
-        copy = base + through_codec(change, codec)
-        self.copies[state_hash(copy)] = copy
-        while len(self.copies) > self.limit:
-            del self.copies[next(iter(self.copies))]
-        return change
+               codec: str) -> tuple[torch.Tensor, str] | None:
+        """(the change from the parameters hashed `since` to `params`, the wire codec to send it in);
+        None if this holder knows neither a copy it made nor one of `known` by that hash. From a copy
+        it made the change goes in `codec`; from other parameters (genesis, a recent state: a
+        reader's first change, or one that switched holders) int4 and int2 give way to int8, since
+        that change is many rounds' worth and what the coarse codecs lose of it would take rounds
+        to send. Keeps the copy the reader will make (the change as decoded, added as it adds it)."""
+        with self.lock:
+            base = self.copies.get(since)
+            if base is None:
+                base = known.get(since)
+                codec = "int8" if base is not None and codec in ("int4", "int2") else codec
+            if base is None:
+                return None
+            change = params - base
+            copy = base + through_codec(change, codec)
+            self.copies[state_hash(copy)] = copy
+            while len(self.copies) > max(1, min(self.limit, self.limit_bytes // (4 * params.numel()))):
+                del self.copies[next(iter(self.copies))]
+        return change, codec
 
 
 class Upstream:
@@ -150,7 +161,8 @@ class Upstream:
         if earlier is not None and codec != "fp32":
             self.copies = {b: state_hash(parameters_to_vector(copy.parameters()).detach())
                            for b, copy in enumerate(earlier.blocks)}
-        self.changes = 0  # refreshes by change (the others were snapshots)
+        self.changes, self.snapshots = 0, 0  # refreshes applied, by change and by snapshot
+        self.donors: dict[int, str] = {}  # the holder each copy last came from
         self.pending: dict[int, SharedState | StateDelta] = {}
         self.refreshed_at: int | None = None  # the step of the last refresh that fetched something
         self.fetching: asyncio.Task | None = None
@@ -186,11 +198,12 @@ class Upstream:
             n_params = sum(p.numel() for p in self.earlier.blocks[b].parameters())
             since = self.copies.get(b)
             before = self._received(holders)
+            # (the holder that made this copy first: another would not know it and send a snapshot)
             got = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg, since,
-                                   self.codec if since else None)
+                                   self.codec if since else None, prefer=self.donors.get(b))
             self.bytes += self._received(holders) - before  # (the transfer, and any version notes meanwhile)
             if got is not None:
-                self.pending[b] = got
+                self.donors[b], self.pending[b] = got
                 self.fetches += 1
 
     def _received(self, holders: list[str]) -> int:
@@ -202,6 +215,7 @@ class Upstream:
             exact = not isinstance(got, StateDelta)
             if exact:
                 params = got.params
+                self.snapshots += 1
             elif got.since != self.copies.get(b):
                 continue  # (a change from a copy replaced meanwhile)
             else:
@@ -217,7 +231,7 @@ class Upstream:
 
     def status(self) -> dict:
         return {"reads": self.earlier.versions if self.earlier else {}, "fetches": self.fetches,
-                "changes": self.changes, "bytes": self.bytes}
+                "changes": self.changes, "snapshots": self.snapshots, "bytes": self.bytes}
 
 
 class BlockWorker:
@@ -465,9 +479,9 @@ class BlockWorker:
 
     async def _fetch(self, holders: list[str]) -> None:
         try:
-            state = await fetch_from(self.node, holders, self.block, self.n_params, self.cfg)
-            if state is not None:
-                self.pending = state
+            got = await fetch_from(self.node, holders, self.block, self.n_params, self.cfg)
+            if got is not None:
+                _, self.pending = got
                 self.changed.set()
         finally:
             self.fetching = False
@@ -487,16 +501,17 @@ class BlockWorker:
         the copy it makes so that the next change starts from it."""
         state = self.replica.state  # a snapshot: rounds replace the state object, never mutate it
         members = self.replica.members()  # (the group of the round that starts from it)
-        change = None
-        if msg.codec in DELTA_CODECS:
-            known = {**self.recent, self.genesis[0]: self.genesis[1]}
-            change = self.readers.change(msg.since, known, state.params, CODECS[msg.codec])
         self.serving += 1
         try:
+            change = None
+            if msg.codec in DELTA_CODECS:  # (off the event loop: a codec pass and a hash of the block)
+                known = {**self.recent, self.genesis[0]: self.genesis[1]}
+                change = await asyncio.to_thread(self.readers.change, msg.since, known, state.params,
+                                                 CODECS[msg.codec])
             if change is None:
                 stream = await conn.send_tensor(state.flat(), "raw")
             else:
-                stream = await conn.send_tensor(change, CODECS[msg.codec], "lz4")
+                stream = await conn.send_tensor(*change, "lz4")
             await conn.send(messages.StateReply(re=msg.id, block=self.block, **state.version.to_wire(), stream=stream,
                                                 config=self.cfg.to_dict(), since=None if change is None else msg.since,
                                                 members=members if change is None else None))

@@ -55,9 +55,10 @@ SCHEMAS: dict[str, dict[str, str]] = {
                "age": "float", "stream": "uint"},
     "reduced": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
                 "group": "bin", "members": "bin", "others": "list", "age": "float", "stream": "uint"},
-    # a state transfer; with "since" (the hash of a state the requester holds) and "codec", the
-    # responder may send the parameters' change since that state instead, in that codec, and says so
-    # with "since" in its reply; "members" is the group of the round that starts from the state
+    # a state transfer; with "since" (the hash of the parameters the requester holds) and "codec",
+    # the responder may send the change from them to its parameters instead, in that codec (or a
+    # finer one), and says so with "since" in its reply; "members" is the group of the round that
+    # starts from the state
     "state_get": {"block": "uint", "since": "str?", "codec": "str?"},
     "state_reply": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "stream": "uint",
                     "config": "map", "since": "str?", "members": "list?"},

@@ -38,7 +38,7 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = {"float32", "float16", "bfloat16"}
 CODECS = ("raw", "fp16", "bf16", "int8", "int4", "int2")
 COMPRESSIONS = ("none", "lz4")
-QUANTIZED = {"int8": 127, "int4": 7, "int2": 2}  # codec -> the largest magnitude it writes
+QUANTIZED = {"int8": 127, "int4": 7, "int2": 2}  # codec -> the largest magnitude of q (int2: -2 to 1)
 BITS = {"int8": 8, "int4": 4, "int2": 2}  # bits a quantized codec packs each value in
 INT8_BLOCK = 4096  # elements per scale of a quantized codec
 INT8_ERROR = 0.5 / 127  # int8's worst-case error, relative to the largest magnitude of a block
@@ -197,9 +197,8 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
         if n_scales < 0 or len(scales) != 4 * n_scales:
             raise ProtocolError("bad_tensor", f"{codec} needs 0 < block <= {most} and "
                                               f"{max(n_scales, 0)} float32 scales")
-        q = from_bytes(data, torch.int8)
-        if codec != "int8":
-            q = unpack(from_bytes(data, torch.uint8), numel, BITS[codec])
+        q = (from_bytes(data, torch.int8) if codec == "int8"
+             else unpack(from_bytes(data, torch.uint8), numel, BITS[codec]))
         flat = dequantize(q, from_bytes(scales, torch.float32), block, codec).to(DTYPES[dtype])
     return flat.view(shape)
 
@@ -213,7 +212,8 @@ def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, 
     padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
     if codec == "int2":
         counts = torch.full((padded.shape[0],), float(block))
-        counts[-1] = n - block * (padded.shape[0] - 1)
+        if n:
+            counts[-1] = n - block * (padded.shape[0] - 1)
         scales = INT2_MEAN_SCALE * (padded.abs().sum(dim=1) / counts)
         steps = torch.where(scales > 0, 2 * scales, torch.ones_like(scales))
         q = torch.floor(padded / steps[:, None]).clamp(-2, 1)
