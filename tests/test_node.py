@@ -315,27 +315,33 @@ def test_gossip_slows_down_while_membership_is_settled_and_speeds_up_when_it_cha
     asyncio.run(main())
 
 
+async def a_hub_and_two_nodes_that_know_each_other(tmp_path, **settings) -> tuple[Node, Node, Node]:
+    """hub, a and c, each keeping at most one connection: a and c dial the hub, and a learns of c."""
+    def config(name: str, *peers: str) -> NodeConfig:
+        return NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / f"{name}.json"),
+                          peers=peers, max_peers=1, **settings)
+
+    hub = Node(config("hub"), load_or_create(str(tmp_path / "hub.json")))
+    await hub.start()
+    a = Node(config("a", hub.cfg.listen), load_or_create(str(tmp_path / "a.json")))
+    c = Node(config("c", hub.cfg.listen), load_or_create(str(tmp_path / "c.json")))
+    await a.start()
+    await c.start()
+    for _ in range(100):
+        await a.gossip_once()
+        if c.id in a.known:
+            break
+        await asyncio.sleep(0.1)
+    return hub, a, c
+
+
 def test_a_node_reaches_a_peer_it_knows_from_gossip_but_is_not_connected_to(tmp_path):
     """A large averaging group needs peers beyond a node's standing connections: `reach` dials them
     at the address gossip gave (once, however many sends wait), and says None for a stranger."""
 
     async def scenario() -> tuple:
-        def config(name: str, *peers: str) -> NodeConfig:
-            return NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / f"{name}.json"),
-                              peers=peers, max_peers=1)
-
-        hub = Node(config("hub"), load_or_create(str(tmp_path / "hub.json")))
-        await hub.start()
-        a = Node(config("a", hub.cfg.listen), load_or_create(str(tmp_path / "a.json")))
-        c = Node(config("c", hub.cfg.listen), load_or_create(str(tmp_path / "c.json")))
-        await a.start()
-        await c.start()
+        hub, a, c = await a_hub_and_two_nodes_that_know_each_other(tmp_path)
         try:
-            for _ in range(100):
-                await a.gossip_once()
-                if c.id in a.known:
-                    break
-                await asyncio.sleep(0.1)
             before = c.id in a.conns
             conns = await asyncio.gather(a.reach(c.id), a.reach(c.id))
             return before, [x.label if x else None for x in conns], await a.reach("ef" * 16), c.id
@@ -354,22 +360,8 @@ def test_a_reached_connection_is_closed_once_idle_while_over_max_peers_and_reach
     averager keeps (its row and column) stays connected however long it is idle."""
 
     async def scenario() -> tuple:
-        def config(name: str, *peers: str) -> NodeConfig:
-            return NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / f"{name}.json"),
-                              peers=peers, max_peers=1, ping_interval=0.2, reach_idle=2.0)
-
-        hub = Node(config("hub"), load_or_create(str(tmp_path / "hub.json")))
-        await hub.start()
-        a = Node(config("a", hub.cfg.listen), load_or_create(str(tmp_path / "a.json")))
-        c = Node(config("c", hub.cfg.listen), load_or_create(str(tmp_path / "c.json")))
-        await a.start()
-        await c.start()
+        hub, a, c = await a_hub_and_two_nodes_that_know_each_other(tmp_path, ping_interval=0.2, reach_idle=2.0)
         try:
-            for _ in range(100):
-                await a.gossip_once()
-                if c.id in a.known:
-                    break
-                await asyncio.sleep(0.1)
             first = await a.reach(c.id)
             reached = sorted(a.conns) == sorted([hub.id, c.id])
             await asyncio.sleep(0.3)
