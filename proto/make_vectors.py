@@ -101,11 +101,10 @@ VALID = {
     # last high nibble 0
     "int4_rounding": {"t": "stream_chunk", "id": 38, "stream": 3, "seq": 3, "data": tensor_json(
         [7.0, 0.5, 1.5, 2.5, -0.5, -1.5, 6.6, -7.0, 3.5], [9], codec="int4", rounded=True)},
-    # int2: scale = 1.2 * mean|x| = 1.2 * 5 / 6 (1 up to rounding), levels -3, -1, 1, 3 times it:
-    # q = floor(x / 2 scale) in [-2, 1] decodes to 2q + 1, so 0.0 goes up to 1, -0.25 down to -1 and
-    # 2.25 to 3; four values a byte (the first in the lowest bits), the last byte padded
+    # int2: scale = 2.5 * mean|x| = 2.5 * 8 / 8 = 2.5 (up to rounding); q = round(x / 2.5) in [-1, 1]:
+    # 0.5 to 0, 1.5 to 1, -1.5 to -1, 4.0 clips to 1; four values a byte (the first in the lowest bits)
     "int2_rounding": {"t": "stream_chunk", "id": 39, "stream": 3, "seq": 4, "data": tensor_json(
-        [0.0, 1.0, -1.0, -0.25, 2.25, -0.5], [6], codec="int2", rounded=True)},
+        [0.5, 1.5, -1.5, -0.2, 4.0, 0.0, 0.2, 0.1], [8], codec="int2", rounded=True)},
     "bf16_rounding": {"t": "stream_chunk", "id": 35, "stream": 2, "seq": 1, "data": tensor_json(
         [1.00390625, 1.01171875, 1.0039072036743164, -1.00390625], [4], codec="bf16", rounded=True)},
     "fp16_rounding": {"t": "stream_chunk", "id": 36, "stream": 2, "seq": 2, "data": tensor_json(

@@ -107,8 +107,8 @@ class AveragingConfig:
         if self.every < 1 or self.wait <= 0 or self.max_norm_ratio <= 1 or self.flat < 1:
             raise ValueError("need every >= 1, wait > 0, max_norm_ratio > 1 and flat >= 1")
         if self.codec == "int2" and not self.feedback:
-            # (its levels are far apart and it has no zero: without the error sent later it biases the
-            # average, and in two levels, encoded twice, more so)
+            # (it zeroes values under 1.25 times its block's mean magnitude: without the error sent
+            # later, small steady progress would never reach the shared state)
             raise ValueError("the int2 codec needs error feedback (--error-feedback)")
 
 

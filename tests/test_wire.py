@@ -92,14 +92,14 @@ def test_tensor_round_trip_within_the_codecs_bound(dtype, codec, compression):
         cast = {torch.float32: 0.0, torch.float16: 2**-11, torch.bfloat16: 2**-8}[dtype]
         bound = INT8_ERROR if codec == "int8" else INT4_ERROR
         assert (err <= bound * t.float().abs().max() * 1.001 + t.float().abs() * 2 * cast + 1e-6).all()
-    elif codec == "int2":  # -3, -1, 1 or 3 times 1.2 mean|x|: off by at most a scale unless clipped
-        blocks = t.float().view(-1).split(4096)  # (one scale per 4096 values)
-        scale = torch.cat([torch.full_like(b, 1.2 * b.abs().mean().item()) for b in blocks]).view(t.shape)
-        expected = ((t.float() / (2 * scale)).floor().clamp(-2, 1) * 2 + 1) * scale
+    elif codec == "int2":  # -1, 0 or 1 times 2.5 mean|x| per 256 values: off by at most half a scale unless clipped
+        blocks = t.float().view(-1).split(256)
+        scale = torch.cat([torch.full_like(b, 2.5 * b.abs().mean().item()) for b in blocks]).view(t.shape)
+        expected = (t.float() / scale).round().clamp(-1, 1) * scale
         cast = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
         assert torch.allclose(back.float(), expected, rtol=cast, atol=1e-5)
-        inside = t.float().abs() <= 4 * scale
-        assert (err[inside] <= scale[inside] * (1 + 2 * cast) + 1e-5).all()
+        inside = t.float().abs() <= 1.5 * scale
+        assert (err[inside] <= scale[inside] * (0.5 + 2 * cast) + 1e-5).all()
     else:  # a cast: half an ulp of the narrower type
         eps = {"fp16": 2**-11, "bf16": 2**-8}[codec]
         assert (err <= t.float().abs() * eps * 1.001 + 1e-6).all()

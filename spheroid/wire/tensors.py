@@ -5,9 +5,9 @@ Extension type 1 carries one tensor. Its payload is itself a msgpack array:
     [dtype, shape, codec, compression, data, scales, block]
 
 `dtype` is the tensor's dtype after decoding; `codec` says how `data` holds the values ("raw": in
-dtype itself; "fp16"/"bf16": cast; "int8"/"int4": symmetric integers with one float32 scale per
-`block` elements, in `scales`, int4 packed two to a byte; "int2": four levels, -3, -1, 1 and 3 times
-a scale per block, four to a byte); `compression` is "none" or "lz4"
+dtype itself; "fp16"/"bf16": cast; "int8"/"int4"/"int2": symmetric integers with one float32 scale
+per `block` elements, in `scales`, int4 packed two to a byte, int2 (-1, 0 or 1) four); `compression`
+is "none" or "lz4"
 (block format, size not stored: the receiver knows it). All numbers are little-endian. Nothing here
 can execute code: a payload is checked against its header (sizes, dtype, codec) before any buffer
 is allocated from it.
@@ -38,18 +38,19 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = {"float32", "float16", "bfloat16"}
 CODECS = ("raw", "fp16", "bf16", "int8", "int4", "int2")
 COMPRESSIONS = ("none", "lz4")
-QUANTIZED = {"int8": 127, "int4": 7, "int2": 2}  # codec -> the largest magnitude of q (int2: -2 to 1)
+QUANTIZED = {"int8": 127, "int4": 7, "int2": 1}  # codec -> the largest integer it writes (symmetric)
 BITS = {"int8": 8, "int4": 4, "int2": 2}  # bits a quantized codec packs each value in
-INT8_BLOCK = 4096  # elements per scale of a quantized codec
+BLOCK = {"int8": 4096, "int4": 4096, "int2": 256}  # elements per scale the encoder uses
 INT8_ERROR = 0.5 / 127  # int8's worst-case error, relative to the largest magnitude of a block
 INT4_ERROR = 0.5 / 7
-# int2's levels are -3, -1, 1 and 3 times a scale of INT2_MEAN_SCALE times the block's mean
-# magnitude: values beyond 4 scales are clipped and the rest are off by at most a scale. It is
-# meant for senders that carry what rounding lost into their next message (error feedback, tracked
-# refreshes), and for them a scale this wide matters more than the least-squares one (0.63 times
-# the mean for normal values): a narrower scale clips the values that move fastest every time, and
-# what they lose then grows without bound (tests/test_refresh.py).
-INT2_MEAN_SCALE = 1.2
+# int2 writes -1, 0 or 1 times a scale of INT2_MEAN_SCALE times the mean magnitude of a block of
+# 256 values: values under 1.25 times the mean become 0, values beyond 3.75 times it are clipped. It
+# is meant for senders that carry what rounding lost into their next message (error feedback,
+# tracked refreshes). A zero level matters there: a code without one (levels -3, -1, 1, 3, tried
+# first) moves every value by at least a scale, so values that barely change get noise many times
+# their change, and consecutive states of a block differ everywhere. A scale this wide, and small
+# blocks, keep what the fastest values lose from growing round after round (tests/test_refresh.py).
+INT2_MEAN_SCALE = 2.5
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,9 @@ def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: 
     elif codec == "bf16":
         data = as_bytes(flat.to(torch.bfloat16))
     else:
-        q, s = quantize(flat.float(), INT8_BLOCK, codec)
-        data, scales, block = as_bytes(q if codec == "int8" else pack(q, BITS[codec])), as_bytes(s), INT8_BLOCK
+        block = BLOCK[codec]
+        q, s = quantize(flat.float(), block, codec)
+        data, scales = as_bytes(q if codec == "int8" else pack(q, BITS[codec])), as_bytes(s)
     if compression == "lz4":
         packed = lz4.block.compress(data, store_size=False)
         if len(packed) < len(data):
@@ -192,22 +194,22 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
     elif codec in ("fp16", "bf16"):
         flat = from_bytes(data, torch.float16 if codec == "fp16" else torch.bfloat16).to(DTYPES[dtype])
     else:
-        most = max(numel, INT8_BLOCK)  # (decoding pads to whole blocks: a huge block would allocate it)
+        most = max(numel, BLOCK["int8"])  # (decoding pads to whole blocks: a huge block would allocate it)
         n_scales = -(-numel // block) if 0 < block <= most else -1
         if n_scales < 0 or len(scales) != 4 * n_scales:
             raise ProtocolError("bad_tensor", f"{codec} needs 0 < block <= {most} and "
                                               f"{max(n_scales, 0)} float32 scales")
         q = (from_bytes(data, torch.int8) if codec == "int8"
              else unpack(from_bytes(data, torch.uint8), numel, BITS[codec]))
-        flat = dequantize(q, from_bytes(scales, torch.float32), block, codec).to(DTYPES[dtype])
+        flat = dequantize(q, from_bytes(scales, torch.float32), block).to(DTYPES[dtype])
     return flat.view(shape)
 
 
 def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integers with one float32 scale per `block` elements. int8 and int4: q = round(x / s) in
-    [-top, top], s = max|x| / top (top = 127 for int8, 7 for int4; 1 for an all-zero block).
-    int2: q = floor(x / 2s) in [-2, 1], which decodes to (2q + 1) s, s = INT2_MEAN_SCALE mean|x|
-    (over a last partial block's own values; 0 for an all-zero block)."""
+    """Symmetric integers with one float32 scale per `block` elements: q = round(x / s) in
+    [-top, top], s = max|x| / top (top = 127 for int8, 7 for int4), or for int2 (top 1)
+    s = INT2_MEAN_SCALE mean|x| (a last partial block's mean over its own values); 1 for an all-zero
+    block."""
     n = flat.numel()
     padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
     if codec == "int2":
@@ -215,13 +217,11 @@ def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, 
         if n:
             counts[-1] = n - block * (padded.shape[0] - 1)
         scales = INT2_MEAN_SCALE * (padded.abs().sum(dim=1) / counts)
-        steps = torch.where(scales > 0, 2 * scales, torch.ones_like(scales))
-        q = torch.floor(padded / steps[:, None]).clamp(-2, 1)
     else:
-        top = QUANTIZED[codec]
-        scales = padded.abs().amax(dim=1) / top
-        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-        q = torch.round(padded / scales[:, None]).clamp(-top, top)
+        scales = padded.abs().amax(dim=1) / QUANTIZED[codec]
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    top = QUANTIZED[codec]
+    q = torch.round(padded / scales[:, None]).clamp(-top, top)
     return q.to(torch.int8).view(-1)[:n], scales.float()
 
 
@@ -244,10 +244,9 @@ def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     return (fields.view(-1)[:n].to(torch.int8) ^ sign) - sign  # sign-extend
 
 
-def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int, codec: str) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     n = q.numel()
-    levels = 2 * q.float() + 1 if codec == "int2" else q.float()
-    padded = torch.nn.functional.pad(levels, (0, -n % block)).view(-1, block)
+    padded = torch.nn.functional.pad(q.float(), (0, -n % block)).view(-1, block)
     return (padded * scales[:, None]).view(-1)[:n]
 
 
