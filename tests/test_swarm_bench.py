@@ -25,7 +25,7 @@ def test_swarm_bench_ci_preset_writes_curves_for_both_configurations(tmp_path, d
         assert all(code == 0 for code in run["exit_codes"].values())
         assert run["link_bytes"] > 0  # node-to-node traffic really crossed the emulated links
     paper, best = (result["runs"][k]["snapshots"][-1]["bytes"] for k in ("paper", "best"))
-    assert best < paper  # int4 every 100 steps moves less than fp32 every 10
+    assert best < paper  # int2 every 100 steps moves less than fp32 every 10
     assert (tmp_path / "swarm.png").stat().st_size > 0
     assert "final CE" in proc.stdout
 
