@@ -94,7 +94,8 @@ def test_tensor_round_trip_within_the_codecs_bound(dtype, codec, compression):
         assert (err <= bound * t.float().abs().max() * 1.001 + t.float().abs() * 2 * cast + 1e-6).all()
     elif codec == "int2":  # -1, 0 or 1 times 2.5 mean|x| per 256 values: off by at most half a scale unless clipped
         blocks = t.float().view(-1).split(256)
-        scale = torch.cat([torch.full_like(b, 2.5 * b.abs().mean().item()) for b in blocks]).view(t.shape)
+        scale = torch.cat([torch.full_like(b, min(2.5 * b.abs().mean().item(), b.abs().max().item()))
+                           for b in blocks]).view(t.shape)
         expected = (t.float() / scale).round().clamp(-1, 1) * scale
         cast = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
         assert torch.allclose(back.float(), expected, rtol=cast, atol=1e-5)
@@ -103,6 +104,15 @@ def test_tensor_round_trip_within_the_codecs_bound(dtype, codec, compression):
     else:  # a cast: half an ulp of the narrower type
         eps = {"fp16": 2**-11, "bf16": 2**-8}[codec]
         assert (err <= t.float().abs() * eps * 1.001 + 1e-6).all()
+
+
+def test_int2_sends_values_of_one_size_and_a_lone_last_value():
+    """Its scale is at most the block's largest value: a block of values of about one size (2.5 times
+    their mean would zero them all) and a last block of one value come through."""
+    for t in (torch.full((256,), 0.01), torch.tensor([0.3]), torch.tensor([6e4, 2e4], dtype=torch.float16)):
+        back = decode_tensor(encode_tensor(t, "int2"))
+        assert torch.isfinite(back).all() and (back.float().abs() > 0).any()
+        assert back.float().abs().max() <= t.float().abs().max() * 1.001
 
 
 def test_integer_tensors_travel_raw_only():

@@ -44,7 +44,8 @@ BLOCK = {"int8": 4096, "int4": 4096, "int2": 256}  # elements per scale the enco
 INT8_ERROR = 0.5 / 127  # int8's worst-case error, relative to the largest magnitude of a block
 INT4_ERROR = 0.5 / 7
 # int2 writes -1, 0 or 1 times a scale of INT2_MEAN_SCALE times the mean magnitude of a block of
-# 256 values: values under 1.25 times the mean become 0, values beyond 3.75 times it are clipped. It
+# 256 values (or its largest, if smaller): values up to half the scale become 0, values beyond 1.5
+# times it are clipped. It
 # is meant for senders that carry what rounding lost into their next message (error feedback,
 # tracked refreshes). A zero level matters there: a code without one (levels -3, -1, 1, 3, tried
 # first) moves every value by at least a scale, so values that barely change get noise many times
@@ -208,15 +209,17 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
 def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric integers with one float32 scale per `block` elements: q = round(x / s) in
     [-top, top], s = max|x| / top (top = 127 for int8, 7 for int4), or for int2 (top 1)
-    s = INT2_MEAN_SCALE mean|x| (a last partial block's mean over its own values); 1 for an all-zero
-    block."""
+    s = min(INT2_MEAN_SCALE mean|x|, max|x|) (a last partial block's mean over its own values); 1 for
+    an all-zero block."""
     n = flat.numel()
     padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
     if codec == "int2":
         counts = torch.full((padded.shape[0],), float(block))
         if n:
             counts[-1] = n - block * (padded.shape[0] - 1)
-        scales = INT2_MEAN_SCALE * (padded.abs().sum(dim=1) / counts)
+        # (at most the largest: a block of values all about the same size, or a last block of one
+        # value, would otherwise round to zeros, and what error feedback owes them would too)
+        scales = torch.minimum(INT2_MEAN_SCALE * (padded.abs().sum(dim=1) / counts), padded.abs().amax(dim=1))
     else:
         scales = padded.abs().amax(dim=1) / QUANTIZED[codec]
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
