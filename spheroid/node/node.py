@@ -421,7 +421,7 @@ class Node:
         """Ping connections so that each side hears the other while a long request runs (a client
         answers with pong: PROTOCOL.md, section 5). Between peers the side that dialled pings and the
         other answers, so each hears the other every interval (in a swarm that averages rarely,
-        pings in both directions had been a sixth of the bytes moved). The other side pings too
+        pings in both directions were a good share of the bytes moved). The other side pings too
         when it has heard or said nothing for longer than that (its peer's pings, or its own pongs,
         are stuck behind a large transfer), when it has no RTT for the peer yet, and every RTT_EVERY
         intervals for its RTT."""
