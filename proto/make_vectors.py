@@ -102,7 +102,8 @@ VALID = {
     "int4_rounding": {"t": "stream_chunk", "id": 38, "stream": 3, "seq": 3, "data": tensor_json(
         [7.0, 0.5, 1.5, 2.5, -0.5, -1.5, 6.6, -7.0, 3.5], [9], codec="int4", rounded=True)},
     # int2: scale = 2.5 * mean|x| = 2.5 * 8 / 8 = 2.5 (up to rounding); q = round(x / 2.5) in [-1, 1]:
-    # 0.5 to 0, 1.5 to 1, -1.5 to -1, 4.0 clips to 1; four values a byte (the first in the lowest bits)
+    # 0.5 to 0, 1.5 to 1, -1.5 to -1, 4.0 clips to 1; a bitmap of the values not 0 (0b00010110),
+    # then their signs (0b010: the second of them is -1)
     "int2_rounding": {"t": "stream_chunk", "id": 39, "stream": 3, "seq": 4, "data": tensor_json(
         [0.5, 1.5, -1.5, -0.2, 4.0, 0.0, 0.2, 0.1], [8], codec="int2", rounded=True)},
     "bf16_rounding": {"t": "stream_chunk", "id": 35, "stream": 2, "seq": 1, "data": tensor_json(
@@ -152,6 +153,7 @@ INVALID = {
     "wrong_field_type": (None, "bad_field"),
     "unknown_extension": (None, "unknown_ext"),
     "tensor_size_mismatch": (None, "bad_tensor"),
+    "int2_signs_missing": (None, "bad_tensor"),
 }
 
 
@@ -169,6 +171,10 @@ def invalid_frames() -> dict[str, tuple[str, str]]:
     bad = msgpack.packb(["float32", [4], "raw", "none", b"\x00" * 12, b"", 0])
     out["tensor_size_mismatch"] = (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
                                                         "data": msgpack.ExtType(1, bad)})), "bad_tensor")
+    # int2: a bitmap with 3 values not 0 needs a byte of signs after it
+    bad = msgpack.packb(["float32", [8], "int2", "none", b"\x16", b"\x00\x00\x20\x40", 256])
+    out["int2_signs_missing"] = (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
+                                                      "data": msgpack.ExtType(1, bad)})), "bad_tensor")
     return out
 
 

@@ -335,7 +335,7 @@ def run_config_options(func):
                      help="How a swarm node refreshes the earlier blocks it reads: fp32, verified snapshots; "
                           "fp16, bf16, int8, int4 or int2, the change from the copy it holds, in that codec (fewer "
                           "bytes; the copy is close, not exact, and what rounding lost goes with the next "
-                          "change; a first change, from genesis, comes in int8).  [default: fp32]"),
+                          "change; a first change from a state more than a round old comes in int8).  [default: fp32]"),
     ]
     for option in reversed(options):
         func = option(func)

@@ -125,8 +125,8 @@ class TrainConfig:
     refresh_every: int = 0
     # how a swarm node refreshes its copies of the earlier blocks: "fp32", verified float32 snapshots;
     # "int8", "int4", "int2", "fp16" or "bf16", the change from the copy it holds to the holder's
-    # state, in that codec (lz4 on top; a first change, from genesis, in int8 when int4 or int2 is
-    # asked), taken from the copy as it is (spheroid/node/worker.py)
+    # state, in that codec (lz4 on top; a change from a state more than a round old, in int8 when
+    # int4 or int2 is asked), taken from the copy as it is (spheroid/node/worker.py)
     refresh_codec: str = "fp32"
     # mixed chunk sizes: each batch trains under the chunk mask of a K drawn uniformly from these, so
     # one checkpoint serves ar (K = 1), sweeps and drafts; empty = always the model's chunk

@@ -29,7 +29,7 @@ def test_a_tracked_copy_keeps_the_error_of_one_change(codec):
     copy, untracked = genesis.clone(), genesis.clone()
     errors, untracked_errors = [], []
     for prev, state in zip(states, states[1:], strict=False):
-        got = holder.change(state_hash(copy), {state_hash(genesis): genesis}, state, codec)
+        got = holder.change(state_hash(copy), {state_hash(genesis): (0, genesis)}, state, 1, codec)
         assert got is not None  # the holder knows the copy it made last time
         change, sent_in = got
         copy = copy + through_codec(change, sent_in)  # what the reader does with what arrives
@@ -45,21 +45,25 @@ def test_a_tracked_copy_keeps_the_error_of_one_change(codec):
 def test_a_holder_that_does_not_know_the_copy_says_so_and_keeps_a_bounded_number():
     states = trajectory(3, n=100)
     holder = ReadersCopies(limit=2)
-    assert holder.change("0" * 64, {}, states[1], "int8") is None  # a copy made elsewhere: send a snapshot
-    known = {state_hash(states[0]): states[0]}
-    for state in states[1:]:
-        assert holder.change(state_hash(states[0]), known, state, "int8") is not None
+    assert holder.change("0" * 64, {}, states[1], 1, "int8") is None  # a copy made elsewhere: send a snapshot
+    known = {state_hash(states[0]): (0, states[0])}
+    for i, state in enumerate(states[1:]):
+        assert holder.change(state_hash(states[0]), known, state, i + 1, "int8") is not None
     assert len(holder.copies) == 2
 
 
-def test_a_first_change_goes_in_int8_and_later_ones_in_the_codec_asked_for():
-    """A change from genesis (or a recent state) is many rounds' worth: in int2 the copy would take
-    rounds to come close. From a copy the holder made, the change goes in the codec asked for."""
-    states = trajectory(2)
+def test_a_change_from_a_state_rounds_old_goes_in_int8_and_later_ones_in_the_codec_asked_for():
+    """A change from genesis (or a recent state) more than a round old is many rounds' worth: in
+    int2 the copy would take rounds to come close. From a copy the holder made, or from a state
+    a round old (every reader's first refresh in a swarm that starts together), the change goes
+    in the codec asked for."""
+    states = trajectory(3)
     genesis = states[0]
+    known = {state_hash(genesis): (0, genesis)}
     holder = ReadersCopies()
-    change, codec = holder.change(state_hash(genesis), {state_hash(genesis): genesis}, states[1], "int2")
+    assert holder.change(state_hash(genesis), known, states[1], 1, "int2")[1] == "int2"
+    change, codec = holder.change(state_hash(genesis), known, states[2], 2, "int2")
     assert codec == "int8"
     copy = genesis + through_codec(change, codec)
-    change, codec = holder.change(state_hash(copy), {}, states[2], "int2")
+    change, codec = holder.change(state_hash(copy), {}, states[3], 3, "int2")
     assert codec == "int2"

@@ -115,6 +115,18 @@ def test_int2_sends_values_of_one_size_and_a_lone_last_value():
         assert back.float().abs().max() <= t.float().abs().max() * 1.001
 
 
+def test_int2_takes_a_bit_per_value_and_a_sign_bit_per_value_not_zero():
+    """On normal data about 70% of int2's values are 0, so a bitmap and the signs beat two bits a
+    value; data whose length does not match its bitmap is refused."""
+    t = torch.randn(1 << 16, generator=torch.Generator().manual_seed(1))
+    dtype, shape, codec, compression, data, scales, block = msgpack.unpackb(encode_tensor(t, "int2"))
+    nonzero = int((decode_tensor(encode_tensor(t, "int2")) != 0).sum())
+    assert len(data) == len(t) // 8 + -(-nonzero // 8) < 0.17 * len(t)  # (two bits a value: 0.25 bytes)
+    for wrong in (data[:-1], data + b"\x00", data[: len(t) // 8]):
+        with pytest.raises(ProtocolError, match="needs"):
+            decode_tensor(msgpack.packb([dtype, shape, codec, compression, wrong, scales, block]))
+
+
 def test_integer_tensors_travel_raw_only():
     t = torch.arange(10, dtype=torch.int64)
     assert torch.equal(decode_tensor(encode_tensor(t, "raw", "lz4")), t)

@@ -118,19 +118,20 @@ class ReadersCopies:
         self.copies: dict[str, torch.Tensor] = {}  # by the hash of the parameters, the oldest made first
         self.lock = threading.Lock()
 
-    def change(self, since: str, known: dict[str, torch.Tensor], params: torch.Tensor,
+    def change(self, since: str, known: dict[str, tuple[int, torch.Tensor]], params: torch.Tensor, round: int,
                codec: str) -> tuple[torch.Tensor, str] | None:
-        """(the change from the parameters hashed `since` to `params`, the wire codec to send it in);
-        None if this holder knows neither a copy it made nor one of `known` by that hash. From a copy
-        it made the change goes in `codec`; from other parameters (genesis, a recent state: a
-        reader's first change, or one that switched holders) int4 and int2 give way to int8, since
-        that change is many rounds' worth and what the coarse codecs lose of it would take rounds
-        to send. Keeps the copy the reader will make (the change as decoded, added as it adds it)."""
+        """(the change from the parameters hashed `since` to `params`, at `round`, and the wire codec
+        to send it in); None if this holder knows neither a copy it made nor one of `known` (by hash:
+        the round and parameters of genesis and of its recent states) by that hash. The change goes
+        in `codec`, except one from a known state more than a round older (a reader that joined
+        late, or switched holders): int4 and int2 give way to int8 there, since that change is
+        many rounds' worth and what the coarse codecs lose of it would take rounds to send. Keeps
+        the copy the reader will make (the change as decoded, added as it adds it)."""
         with self.lock:
             base = self.copies.get(since)
-            if base is None:
-                base = known.get(since)
-                codec = "int8" if base is not None and codec in ("int4", "int2") else codec
+            if base is None and since in known:
+                base_round, base = known[since]
+                codec = "int8" if round - base_round > 1 and codec in ("int4", "int2") else codec
             if base is None:
                 return None
             change = params - base
@@ -259,8 +260,8 @@ class BlockWorker:
                                wire=lambda t: through_codec(t, CODECS[averaging.codec], self.compression))
         # parameters a reader of this block may hold, by their hash: the genesis parameters, this
         # node's last RECENT states' and the copies it made by sending changes
-        self.genesis = (state_hash(genesis), genesis)
-        self.recent: dict[str, torch.Tensor] = {}
+        self.genesis = (state_hash(genesis), (0, genesis))
+        self.recent: dict[str, tuple[int, torch.Tensor]] = {}
         self.readers = ReadersCopies()
         self._keep(state)
         self.pending: SharedState | None = None  # a fetched state to adopt between training chunks
@@ -291,7 +292,8 @@ class BlockWorker:
 
     def _keep(self, state: SharedState) -> None:
         """Remember a state this node held (rounds replace the state's tensors, never change them)."""
-        self.recent[state.version.hash if state.momentum is None else state_hash(state.params)] = state.params
+        key = state.version.hash if state.momentum is None else state_hash(state.params)
+        self.recent[key] = (state.version.round, state.params)
         while len(self.recent) > RECENT:
             del self.recent[next(iter(self.recent))]
 
@@ -507,7 +509,7 @@ class BlockWorker:
             if msg.codec in DELTA_CODECS:  # (off the event loop: a codec pass and a hash of the block)
                 known = {**self.recent, self.genesis[0]: self.genesis[1]}
                 change = await asyncio.to_thread(self.readers.change, msg.since, known, state.params,
-                                                 CODECS[msg.codec])
+                                                 state.version.round, CODECS[msg.codec])
             if change is None:
                 stream = await conn.send_tensor(state.flat(), "raw")
             else:

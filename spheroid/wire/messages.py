@@ -19,7 +19,7 @@ import torch
 
 from .errors import ProtocolError
 
-VERSION = 7
+VERSION = 8
 
 # kind of each field; a trailing "?" marks it optional
 SCHEMAS: dict[str, dict[str, str]] = {

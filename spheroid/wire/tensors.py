@@ -6,8 +6,8 @@ Extension type 1 carries one tensor. Its payload is itself a msgpack array:
 
 `dtype` is the tensor's dtype after decoding; `codec` says how `data` holds the values ("raw": in
 dtype itself; "fp16"/"bf16": cast; "int8"/"int4"/"int2": symmetric integers with one float32 scale
-per `block` elements, in `scales`, int4 packed two to a byte, int2 (-1, 0 or 1) four); `compression`
-is "none" or "lz4"
+per `block` elements, in `scales`, int4 packed two to a byte, int2 (-1, 0 or 1) as a bitmap of the
+nonzero values and then their signs, a bit each); `compression` is "none" or "lz4"
 (block format, size not stored: the receiver knows it). All numbers are little-endian. Nothing here
 can execute code: a payload is checked against its header (sizes, dtype, codec) before any buffer
 is allocated from it.
@@ -39,7 +39,6 @@ FLOAT_DTYPES = {"float32", "float16", "bfloat16"}
 CODECS = ("raw", "fp16", "bf16", "int8", "int4", "int2")
 COMPRESSIONS = ("none", "lz4")
 QUANTIZED = {"int8": 127, "int4": 7, "int2": 1}  # codec -> the largest integer it writes (symmetric)
-BITS = {"int8": 8, "int4": 4, "int2": 2}  # bits a quantized codec packs each value in
 BLOCK = {"int8": 4096, "int4": 4096, "int2": 256}  # elements per scale the encoder uses
 INT8_ERROR = 0.5 / 127  # int8's worst-case error, relative to the largest magnitude of a block
 INT4_ERROR = 0.5 / 7
@@ -51,6 +50,8 @@ INT4_ERROR = 0.5 / 7
 # first) moves every value by at least a scale, so values that barely change get noise many times
 # their change, and consecutive states of a block differ everywhere. A scale this wide, and small
 # blocks, keep what the fastest values lose from growing round after round (tests/test_refresh.py).
+# About 70% of the values are then 0: a bit per value saying which are not, and a sign bit for
+# each that is not, take about 1.3 bits a value, where two bits each would take 2.
 INT2_MEAN_SCALE = 2.5
 
 
@@ -65,11 +66,14 @@ class Limits:
 DEFAULT_LIMITS = Limits()
 
 def codec_nbytes(dtype: str, codec: str, n: int) -> int:
-    """Bytes of `data` (before compression) that hold n values of dtype in codec."""
+    """Bytes of `data` (before compression) that hold n values of dtype in codec; for int2 the most
+    (its bitmap, then a sign bit for each value, were none 0)."""
     if codec == "raw":
         return n * DTYPES[dtype].itemsize
-    if codec in ("int4", "int2"):
-        return -(-n // (8 // BITS[codec]))
+    if codec == "int4":
+        return -(-n // 2)
+    if codec == "int2":
+        return 2 * -(-n // 8)
     return n * {"fp16": 2, "bf16": 2, "int8": 1}[codec]
 
 
@@ -99,7 +103,8 @@ def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: 
     else:
         block = BLOCK[codec]
         q, s = quantize(flat.float(), block, codec)
-        data, scales = as_bytes(q if codec == "int8" else pack(q, BITS[codec])), as_bytes(s)
+        packed = {"int8": q, "int4": pack(q, 4), "int2": ternary_pack(q)}[codec]
+        data, scales = as_bytes(packed), as_bytes(s)
     if compression == "lz4":
         packed = lz4.block.compress(data, store_size=False)
         if len(packed) < len(data):
@@ -188,6 +193,9 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
             data = lz4.block.decompress(data, uncompressed_size=expected)
         except lz4.block.LZ4BlockError as exc:
             raise ProtocolError("bad_tensor", f"lz4 data does not decompress to {expected} bytes: {exc}") from None
+    if codec == "int2":  # (its size depends on how many values are not 0: its bitmap says)
+        bitmap = -(-numel // 8)
+        expected = bitmap + -(-nonzero(from_bytes(data[:bitmap], torch.uint8), numel) // 8)
     if len(data) != expected:
         raise ProtocolError("bad_tensor", f"shape {shape} of {dtype}/{codec} needs {expected} bytes, got {len(data)}")
     if codec == "raw":
@@ -200,8 +208,9 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
         if n_scales < 0 or len(scales) != 4 * n_scales:
             raise ProtocolError("bad_tensor", f"{codec} needs 0 < block <= {most} and "
                                               f"{max(n_scales, 0)} float32 scales")
-        q = (from_bytes(data, torch.int8) if codec == "int8"
-             else unpack(from_bytes(data, torch.uint8), numel, BITS[codec]))
+        raw = from_bytes(data, torch.int8 if codec == "int8" else torch.uint8)
+        q = {"int8": lambda: raw, "int4": lambda: unpack(raw, numel, 4),
+             "int2": lambda: ternary_unpack(raw, numel)}[codec]()
         flat = dequantize(q, from_bytes(scales, torch.float32), block).to(DTYPES[dtype])
     return flat.view(shape)
 
@@ -229,9 +238,9 @@ def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, 
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """int8 values of `bits` (4 or 2) bits' two's complement, 8 // bits to a byte, the first in the
-    lowest bits: int4 puts value 2i in the low nibble of byte i and 2i + 1 in its high nibble; int2
-    puts value 4i + k in bits 2k and 2k + 1 of byte i (0 where there is no value)."""
+    """int8 values of `bits` (4 or 1) bits' two's complement, 8 // bits to a byte, the first in the
+    lowest bits: int4 puts value 2i in the low nibble of byte i and 2i + 1 in its high nibble; one
+    bit puts value 8i + k in bit k of byte i (0 where there is no value)."""
     per = 8 // bits
     fields = torch.nn.functional.pad(q, (0, -q.numel() % per)).view(-1, per).to(torch.uint8) & ((1 << bits) - 1)
     out = fields[:, 0].clone()
@@ -245,6 +254,29 @@ def unpack(packed: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     fields = torch.stack([(packed >> (bits * k)) & ((1 << bits) - 1) for k in range(8 // bits)], dim=1)
     sign = 1 << (bits - 1)
     return (fields.view(-1)[:n].to(torch.int8) ^ sign) - sign  # sign-extend
+
+
+def ternary_pack(q: torch.Tensor) -> torch.Tensor:
+    """int2's layout of values in {-1, 0, 1}: a bitmap, bit set where the value is not 0, then one
+    bit for each value that is not 0, in order, set where it is -1."""
+    nonzero = q != 0
+    return torch.cat([pack(nonzero.to(torch.int8), 1), pack((q[nonzero] < 0).to(torch.int8), 1)])
+
+
+def nonzero(bitmap: torch.Tensor, n: int) -> int:
+    """How many of the first n bits of a bitmap are set."""
+    return int(unpack(bitmap, n, 1).count_nonzero())
+
+
+def ternary_unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """`ternary_pack`'s inverse: n values in {-1, 0, 1}, as int8 (`packed` has been checked to hold
+    exactly the bitmap and one sign bit for each value it sets)."""
+    bitmap = -(-n // 8)
+    nonzero = unpack(packed[:bitmap], n, 1) != 0
+    negative = unpack(packed[bitmap:], int(nonzero.sum()), 1) != 0
+    q = nonzero.to(torch.int8)
+    q[nonzero] = torch.where(negative, -1, 1).to(torch.int8)
+    return q
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
