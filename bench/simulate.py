@@ -13,13 +13,16 @@ peers it averaged with in its last round (its row and column), and a node that f
 preferred version announces it in turn, so versions spread from peer to peer, never to the whole
 block. Churn: every simulated minute a fraction of the nodes leaves and as many fresh ones join
 with no state; a joiner hears the versions of the live same-block nodes after a gossip delay and
-fetches the preferred state, with the group of its next round, from one holder, as a node does.
+fetches the preferred state, with the group of its next round and the share of that round its
+holder had left to train, from one holder, as a node does; it trains that share, so that its parts
+come with its holder's round.
 One partition splits every block in two halves for a while and then heals.
 
 It reports (and writes as JSON): rounds closed; the share closed by their deadline; that replicas
 that closed a round of one group with the same cells always hold the same state; of the replicas
 closing a round, and of the members of its main group, the share on its most common state, and
-that group's size; how long joiners took to their first round as members; the bytes (also over
+that group's size; how many joiners became members (of all, and of those that joined two rounds
+before training stopped) and how long they took to their first round as members; the bytes (also over
 the block's size) and the peers each node sent to in a round (parts and averages; with versions
 and state transfers, the peers apart); and how many distinct states each block held at the end,
 after the swarm settled.
@@ -49,6 +52,9 @@ from spheroid.node.worker import pick_donor  # noqa: E402
 
 log = logging.getLogger("bench.simulate")
 logging.getLogger("spheroid.averaging").setLevel(logging.ERROR)  # refusals are counted, not logged
+
+
+SAMPLES = 16  # behind a round's local steps
 
 
 @dataclass
@@ -82,6 +88,8 @@ class Member:
     side: int
     alive: bool = True
     token: int = 0  # of its current training run
+    trained_at: float | None = None  # when its current training run ends (None: not training)
+    samples: int = SAMPLES  # behind its current training run
     fetching: bool = False  # a state transfer to it is under way (a node runs one at a time)
     first_member_round: float | None = None
     sent: dict[int, list] = field(default_factory=dict)  # round -> [bytes, peers] of its averaging messages
@@ -209,17 +217,29 @@ class Swarm:
         """What a message's values weigh on the wire: their share of a block of `block_bytes`."""
         return values.numel() * self.cfg.block_bytes // self.cfg.params
 
-    def train(self, m: Member) -> None:
+    def train(self, m: Member, share: float = 1.0) -> None:
+        """Start a round's local steps: all of them, or the `share` of them left in a holder's round."""
         if not m.alive or self.now >= self.stop_at:
             return
         m.token += 1
-        self.at(m.compute, self.trained, m, m.token)
+        m.trained_at = self.now + m.compute * share
+        m.samples = max(1, round(SAMPLES * share))
+        self.at(m.compute * share, self.trained, m, m.token)
+
+    def left_in_round(self, m: Member) -> float:
+        """The share of its round's local steps a node has still to train (as `state_reply.into`
+        tells a fetcher, in steps); 1 if it is not training (it is averaging: a fetcher would be late
+        for that round anyway, and trains a whole one)."""
+        if m.trained_at is None or m.trained_at <= self.now:
+            return 1.0
+        return (m.trained_at - self.now) / m.compute
 
     def trained(self, m: Member, token: int) -> None:
         if not m.alive or m.token != token:
             return
+        m.trained_at = None
         m.local += torch.randn(self.cfg.params, generator=self.rng) * 0.01
-        for out in m.replica.submit(m.local - m.replica.state.params, 16, self.now):
+        for out in m.replica.submit(m.local - m.replica.state.params, m.samples, self.now):
             self.send(m, out.to[0], self.data_bytes(out.message.delta) + 64, self.deliver, out.message)
         if m.name in m.replica.group and m.first_member_round is None:
             m.first_member_round = self.now
@@ -296,12 +316,12 @@ class Swarm:
         size = self.data_bytes(state.params)
         self.send(holder, m.name, size + 34 * len(holder.replica.expected), self.fetched,
                   SharedState(state.version, state.params.clone(), members=tuple(holder.replica.members())),
-                  averaging=False)
+                  self.left_in_round(holder), averaging=False)
         self.fetches += 1
         m.fetching = True
         return True
 
-    def fetched(self, m: Member, state: SharedState) -> None:
+    def fetched(self, m: Member, state: SharedState, left: float) -> None:
         m.fetching = False
         if not m.alive or not m.replica.wants(state.version, in_round=self.now < self.stop_at):
             if m.replica.ready_at is None and m.alive:
@@ -309,7 +329,7 @@ class Swarm:
             return
         m.local = m.replica.adopt(state, m.local)
         self.announce(m)
-        self.train(m)
+        self.train(m, left)  # (to send its parts with the holder's round, not a round later)
 
     # --- figures -------------------------------------------------------------------------------------
 
@@ -331,6 +351,8 @@ class Swarm:
             members_on_main.append(sum(c["hash"] == state for c in members) / max(1, len(members)))
         joiners = [m for m in self.members.values() if m.joined > 0]
         caught = [m.first_member_round - m.joined for m in joiners if m.first_member_round is not None]
+        # joiners with two rounds' time (and the gossip's) before training stopped: time to be counted in
+        in_time = [m for m in joiners if m.joined + cfg.gossip_s + 2 * (cfg.compute_s + cfg.wait_s) <= self.stop_at]
         per_round = [(b, len(peers)) for m in self.members.values() for b, peers in m.sent.values()]
         talked = sorted(len(peers) for m in self.members.values() for peers in m.talked.values())
         finals = {b: len({m.replica.state.version.hash for m in self.block_members(b)}) for b in range(cfg.blocks)}
@@ -351,6 +373,8 @@ class Swarm:
                                 "min": min(len(g) for g in main_group)},
             "joiners": len(joiners),
             "joiners_became_members": len(caught),
+            "joiners_in_time": len(in_time),
+            "joiners_in_time_became_members": sum(m.first_member_round is not None for m in in_time),
             "joiner_s_to_first_member_round": {"median": statistics.median(caught) if caught else None,
                                                "max": max(caught, default=None)},
             "bytes_sent_per_node_round": {"mean": statistics.mean(b for b, _ in per_round),

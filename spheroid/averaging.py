@@ -142,8 +142,10 @@ class SharedState:
     version: Version
     params: torch.Tensor  # (P,) float32: the block's parameters, flattened in state-dict order
     momentum: torch.Tensor | None = None  # (P,) the outer momentum ("nesterov" only)
-    # with a fetched state: the group of the round that starts from it, as the holder knew it
+    # with a fetched state: the group of the round that starts from it, as the holder knew it, and
+    # the share of that round's local steps the holder had still to train (None: it was not training)
     members: tuple[str, ...] | None = None
+    left: float | None = None
 
     @classmethod
     def create(cls, round_: int, samples: int, params: torch.Tensor, momentum: torch.Tensor | None) -> SharedState:

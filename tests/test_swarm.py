@@ -17,7 +17,10 @@ import sys
 import pytest
 import torch
 
+from spheroid.averaging import SharedState
+from spheroid.node.client import with_holder_notes
 from spheroid.wire import encode, stream_frames
+from spheroid.wire.messages import StateReply
 
 from .nodes import NodeProcess, handshake_then, wait_until
 
@@ -195,3 +198,32 @@ def test_int2_refreshes_send_the_change_from_the_copy_held(swarm):
     assert read["exact"] is False  # a copy brought up to date by changes, not a snapshot
     # (a float32 snapshot: 4 bytes a value; int8 a quarter of that, int2 a sixteenth, and scales)
     assert 0 < earlier["bytes"] < (0.27 + (earlier["fetches"] - 1) * 0.07) * 4 * n_params
+
+
+def test_a_joiner_trains_the_rest_of_its_holders_round_and_sends_its_update_with_it(swarm):
+    """A node that fetches a state while its holder trains that state's round trains only the share
+    of the round's steps the holder had left (`state_reply.left`), so that its first update makes
+    the holder's round; trained whole, it would come a round late, and again every round after."""
+    flags = ["--every", "300", "--wait", "1", "--steps", "3000"]
+    holder = swarm("holder", 0, *flags)
+    wait_until(lambda: training(holder)["round"] >= 1, 120, "the holder's first round")
+    joiner = swarm("joiner", 0, *flags, seed=holder)
+    history = wait_until(lambda: training(joiner)["history"] or None, 120, "the joiner's first round")
+    assert history[0]["steps"] <= 300 and history[0]["updates"] == 2
+    # and the holder's round of that state counted it too
+    held = wait_until(lambda: [h for h in training(holder)["history"] if h["round"] == history[0]["round"]] or None,
+                      60, "the holder to close that round")
+    assert held[0]["updates"] == 2
+
+
+def test_what_a_holder_says_of_its_next_round_is_checked():
+    """`members` must be node ids and `left` a share of a round: a holder that says otherwise is
+    refused (its state is not used; the fetcher tries another holder)."""
+    state = SharedState.create(3, 24, torch.zeros(4), None)
+    reply = dict(re=1, block=0, round=3, samples=24, hash=state.version.hash, stream=1, config={})
+    good = with_holder_notes(state, StateReply(**reply, members=["ab" * 16], left=0.25))
+    assert good.members == ("ab" * 16,) and good.left == 0.25
+    assert with_holder_notes(state, StateReply(**reply)).left is None
+    for bad in ({"left": 1.5}, {"left": -0.1}, {"left": math.nan}, {"members": ["not an id"]}):
+        with pytest.raises(ValueError):
+            with_holder_notes(state, StateReply(**reply, **bad))

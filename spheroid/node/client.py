@@ -172,6 +172,21 @@ class StateDelta:
     delta: torch.Tensor  # (P,) float32: the parameters' change (no outer momentum)
 
 
+def with_holder_notes(state: SharedState, reply: Message) -> SharedState:
+    """A fetched state with what its holder said of the round that starts from it (`members`, its
+    group; `left`, the share of its local steps the holder had still to train), checked: ValueError
+    if they do not make sense."""
+    if reply.members is not None:
+        if len(reply.members) > MAX_MEMBERS or not all(is_node_id(m) for m in reply.members):
+            raise ValueError(f"its group is not a list of at most {MAX_MEMBERS} node ids")
+        state = replace(state, members=tuple(reply.members))
+    if reply.left is not None:
+        if not 0.0 <= reply.left <= 1.0:  # (also refuses NaN)
+            raise ValueError(f"the share of its round left to train is {reply.left}, not in [0, 1]")
+        state = replace(state, left=reply.left)
+    return state
+
+
 async def request_state(conn: Connection, block: int, n_params: int | None = None, since: str | None = None,
                         codec: str | None = None) -> tuple[RunConfig, SharedState | StateDelta]:
     """Ask a peer for its state of `block`: its run configuration and the state, size and hash verified;
@@ -186,12 +201,7 @@ async def request_state(conn: Connection, block: int, n_params: int | None = Non
         n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data, block).parameters())
     version = Version(reply.round, reply.samples, reply.hash)
     if reply.since is None:
-        state = SharedState.unpack(version, reply.tensor, n_params)
-        if reply.members is not None:
-            if len(reply.members) > MAX_MEMBERS or not all(is_node_id(m) for m in reply.members):
-                raise ValueError(f"its group is not a list of at most {MAX_MEMBERS} node ids")
-            state = replace(state, members=tuple(reply.members))
-        return run_cfg, state
+        return run_cfg, with_holder_notes(SharedState.unpack(version, reply.tensor, n_params), reply)
     delta = reply.tensor
     if reply.since != since:
         raise ValueError(f"a change from parameters {reply.since[:12]}, which this node did not ask for")

@@ -250,6 +250,9 @@ class BlockWorker:
         self.gen = torch.Generator().manual_seed(cfg.train.seed ^ node_seed)
         torch.manual_seed(cfg.train.seed * 7919 + node_seed)
         self.step, self.loss, self.ce = 0, float("nan"), float("nan")
+        self.round_end: int | None = None  # the step this node's round's local steps end at, while it trains them
+        # with a state adopted from a holder mid-round: the share of that round's steps it had left
+        self.left: float | None = None
         self.n_params = sum(p.numel() for p in self.module.parameters())
         genesis = self.params()  # (readers of this block start from it too: changes since it are sent)
         state = self._resume() if self.path.exists() else self._genesis()
@@ -354,16 +357,18 @@ class BlockWorker:
         t = self.cfg.train
         while self.step < t.steps:
             self._adopt_pending()
-            n = min(self.avg.every, t.steps - self.step)
-            started = self.step
+            n = min(self._round_steps(), t.steps - self.step)
+            started, self.round_end = self.step, self.step + n
             await asyncio.to_thread(self._train_steps, n)
+            self.round_end = None
             self._adopt_pending()
+            self.left = None  # (adopted after training: this update goes now, rebased onto it)
             closed = await self.averager.round(self.params() - self.replica.state.params,
                                                (self.step - started) * t.batch, self._preferred_pending)
             if closed is None:
                 self._adopt_pending()  # this round was on the old state; the progress is rebased
             else:
-                await self._closed(closed)
+                await self._closed(closed, self.step - started)
         self.done = True
         # no more rounds from this node: peers that hear it before their next round leave it out of the
         # one after (the next waits for it until its deadline: its group is counted already)
@@ -381,6 +386,20 @@ class BlockWorker:
     def compression(self) -> str:
         return "lz4" if self.avg.lz4 else "none"
 
+    def _round_steps(self) -> int:
+        """This round's local steps: `every`; or, on a state just fetched from a holder that was
+        training, the share of them it had left, so that this node's parts come with the holder's
+        round's (a whole round would make them a round late, and every round after too)."""
+        left, self.left = self.left, None
+        return self.avg.every if left is None else max(1, math.ceil(self.avg.every * left))
+
+    def left_in_round(self) -> float | None:
+        """The share of its round's local steps this node has still to train; None if it is not
+        training (averaging, or done)."""
+        if self.round_end is None:
+            return None
+        return min(1.0, max(0.0, (self.round_end - self.step) / self.avg.every))
+
     def _train_steps(self, n: int) -> None:
         t = self.cfg.train
         for _ in range(n):
@@ -396,11 +415,12 @@ class BlockWorker:
     def _preferred_pending(self) -> bool:
         return self.pending is not None and self.replica.wants(self.pending.version)
 
-    async def _closed(self, closed: Closed) -> None:
-        """After a round: the new state, checkpointed, logged, announced; then what peers may have."""
+    async def _closed(self, closed: Closed, steps: int) -> None:
+        """After a round of `steps` local steps: the new state, checkpointed, logged, announced; then
+        what peers may have."""
         waited = time.monotonic() - closed.ready_at
         self.history.append({"round": closed.state.version.round - 1, "updates": len(closed.contributors),
-                             "waited_s": round(waited, 3)})
+                             "steps": steps, "waited_s": round(waited, 3)})
         del self.history[:-HISTORY]
         local = closed.state.params if closed.carry is None else closed.state.params + closed.carry
         self.set_params(local)  # (carry: this node's progress that was not averaged)
@@ -423,8 +443,10 @@ class BlockWorker:
         self.set_params(self.replica.adopt(state, self.params()))
         self._keep(state)
         self.save()
-        log.info("block %d adopted state %s of round %d (%d samples)", self.block, state.version.hash[:12],
-                 state.version.round, state.version.samples)
+        self.left = state.left
+        log.info("block %d adopted state %s of round %d (%d samples%s)", self.block, state.version.hash[:12],
+                 state.version.round, state.version.samples,
+                 "" if state.left is None else f"; its holder had {state.left:.0%} of that round's steps left")
         self.node.spawn(self._announce())
 
     # --- messages -----------------------------------------------------------------------------------
@@ -514,9 +536,12 @@ class BlockWorker:
                 stream = await conn.send_tensor(state.flat(), "raw")
             else:
                 stream = await conn.send_tensor(*change, "lz4")
+            # (as the reply goes: after the stream, how much of the state's round is left to train)
+            left = self.left_in_round() if state is self.replica.state else None
             await conn.send(messages.StateReply(re=msg.id, block=self.block, **state.version.to_wire(), stream=stream,
                                                 config=self.cfg.to_dict(), since=None if change is None else msg.since,
-                                                members=members if change is None else None))
+                                                members=members if change is None else None,
+                                                left=left if change is None else None))
             self.served += 1
         except PeerGone as exc:
             log.info("state transfer to %s stopped: %s", conn.label[:8], exc)

@@ -58,10 +58,11 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # a state transfer; with "since" (the hash of the parameters the requester holds) and "codec",
     # the responder may send the change from them to its parameters instead, in that codec (or a
     # finer one), and says so with "since" in its reply; "members" is the group of the round that
-    # starts from the state
+    # starts from the state; "left" the share of that round's local steps the responder has still
+    # to train (absent when it is not training)
     "state_get": {"block": "uint", "since": "str?", "codec": "str?"},
     "state_reply": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "stream": "uint",
-                    "config": "map", "since": "str?", "members": "list?"},
+                    "config": "map", "since": "str?", "members": "list?", "left": "float?"},
     # serving (spheroid/node/serving.py): a client asks any node, which coordinates; activations go
     # hop to hop along the route, never through the client
     "generate": {"prompt": "bin", "n_bytes": "uint", "mode": "str", "k": "uint", "temperature": "float",
