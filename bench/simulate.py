@@ -8,7 +8,8 @@ unless the two nodes are on different sides of the partition or the receiver has
 as if a block were `block_bytes` (the simulated vector is short: what is simulated is how many
 messages go where). A node that leaves is gone at once to its peers (its connections close); a
 partitioned peer is not (it is waited for until the deadline). Each node keeps standing
-connections to `links` random peers of its block; it announces its version on them and to the
+connections to `links` random peers of its block (and dials new ones for those that leave, the
+two ends exchanging versions on them); it announces its version on them and to the
 peers it averaged with in its last round (its row and column), and a node that fetches a
 preferred version announces it in turn, so versions spread from peer to peer, never to the whole
 block. Churn: every simulated minute a fraction of the nodes leaves and as many fresh ones join
@@ -160,12 +161,24 @@ class Swarm:
     def block_members(self, block: int) -> list[Member]:
         return [m for m in self.members.values() if m.alive and m.block == block]
 
-    def link(self, m: Member) -> None:
-        """Connect a node to `links` random live peers of its block (both ways, as connections are)."""
+    def link(self, m: Member, count: int | None = None) -> list[Member]:
+        """Connect a node to `count` (default `links`) random live peers of its block that it is not
+        connected to (both ways, as connections are); the peers it connected to."""
         others = [p for p in self.block_members(m.block) if p is not m and p.name not in m.links]
-        for i in torch.randperm(len(others), generator=self.rng)[: self.cfg.links].tolist():
-            m.links.add(others[i].name)
-            others[i].links.add(m.name)
+        count = self.cfg.links if count is None else count
+        new = [others[i] for i in torch.randperm(len(others), generator=self.rng)[:count].tolist()]
+        for peer in new:
+            m.links.add(peer.name)
+            peer.links.add(m.name)
+        return new
+
+    def relink(self, m: Member, lost: int) -> None:
+        """A node that lost standing connections makes as many new ones, as a node keeps its peer
+        count up, and the two ends tell each other their versions on them, as on any new connection."""
+        for peer in self.link(m, lost):
+            for a, b in ((m, peer), (peer, m)):
+                self.send(a, b.name, 120, self.heard, a.name, a.replica.state.version, a.replica.synced,
+                          not a.replica.synced and self.now < self.stop_at, averaging=False)
 
     def reachable(self, a: Member, b: Member) -> bool:
         return a.alive and b.alive and (not self.partitioned or a.side == b.side)
@@ -175,12 +188,19 @@ class Swarm:
         live = [m for m in self.members.values() if m.alive]
         leaving = max(1, round(self.cfg.churn * len(live)))
         order = torch.randperm(len(live), generator=self.rng)[:leaving].tolist()
+        lost = Counter()
         for i in order:
             gone = live[i]
             gone.alive = False
+            for name in gone.links:
+                self.members[name].links.discard(gone.name)
+                lost[name] += 1
             joiner = self._add(gone.block, genesis=False)
             self.link(joiner)
             self.at(self.cfg.gossip_s, self.join, joiner)
+        for name, n in sorted(lost.items()):
+            if self.members[name].alive:
+                self.relink(self.members[name], n)
 
     def join(self, m: Member) -> None:
         """What a joiner has heard after gossip: every live same-block member's version; it fetches."""

@@ -146,10 +146,15 @@ class Upstream:
     """The frozen copies of the earlier blocks a worker reads, kept near the swarm's preferred versions.
 
     Holders of blocks 0..b-1 announce their versions to block b's nodes as to their own replicas.
-    `refresh` fetches, in the background, each earlier block whose preferred announced version is not
-    the one held, at most every `every` steps; `apply` swaps the fetched ones in between training
-    chunks (the training thread reads the copies). With a `codec` other than fp32 it asks for the
-    change from the copy it holds, named by its parameters' hash (see the module's docstring).
+    `refresh`, called when a version of an earlier block is announced and after each of this
+    node's rounds, fetches in the background each earlier block whose preferred announced version
+    is not the one held, if it was not fetched in the last three quarters of `every` steps (so
+    about once per `every` steps, whatever the jitter of the announcements); `apply` swaps the
+    fetched ones in between training steps (the training thread reads the copies), so a copy is
+    as fresh as the transfer allows, not a round late. With a `codec` other than fp32 it asks for
+    the change from the copy it holds, named by its parameters' hash (see the module's docstring),
+    and waits once for the holder that made that copy if the version came from another first: any
+    other would send a snapshot.
     """
 
     def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int, codec: str = "fp32") -> None:
@@ -164,8 +169,10 @@ class Upstream:
                            for b, copy in enumerate(earlier.blocks)}
         self.changes, self.snapshots = 0, 0  # refreshes applied, by change and by snapshot
         self.donors: dict[int, str] = {}  # the holder each copy last came from
-        self.pending: dict[int, SharedState | StateDelta] = {}
-        self.refreshed_at: int | None = None  # the step of the last refresh that fetched something
+        self.pending: dict[int, SharedState | StateDelta] = {}  # (filled on the event loop, emptied by `apply`)
+        self.refreshed_at: dict[int, int] = {}  # the step each block was last fetched at
+        self.waited: dict[int, Version] = {}  # the version each block last waited for its donor to announce
+        self.step = 0  # this node's step, as of the last `refresh`
         self.fetching: asyncio.Task | None = None
         self.fetches, self.bytes = 0, 0
 
@@ -174,27 +181,48 @@ class Upstream:
             self.announced[block][peer] = version
 
     def refresh(self, step: int) -> asyncio.Task | None:
-        """Start fetching the earlier blocks that have a preferred version, if a refresh is due."""
+        """Start fetching the earlier blocks due a refresh, unless a fetch is under way (which
+        looks again when it is done)."""
+        self.step = step
         if not self.announced or (self.fetching and not self.fetching.done()):
             return None
-        if self.refreshed_at is not None and step - self.refreshed_at < self.every:
+        wanted = self._due()
+        if not wanted:
             return None
+        self.fetching = self.node.spawn(self._fetch(wanted))
+        return self.fetching
+
+    def _due(self) -> dict[int, list[str]]:
+        """The earlier blocks to fetch now, with the live holders of the version to fetch (counted
+        as fetched at this step)."""
         wanted = {}
         for b, peers in self.announced.items():
+            last = self.refreshed_at.get(b)
+            if last is not None and 4 * (self.step - last) < 3 * self.every:
+                continue
             live = {p: v for p, v in peers.items() if p in self.node.conns}
             best = None
             for version in live.values():
                 if best is None or version.preferred_over(best):
                     best = version
-            if best is not None and best.samples and best != self.held.get(b):  # (0 samples: genesis)
-                wanted[b] = [p for p, v in live.items() if v == best]
-        if not wanted:
-            return None
-        self.refreshed_at = step
-        self.fetching = self.node.spawn(self._fetch(wanted))
-        return self.fetching
+            if best is None or not best.samples or best == self.held.get(b):  # (0 samples: genesis)
+                continue
+            holders = [p for p, v in live.items() if v == best]
+            donor = self.donors.get(b)
+            if self.codec != "fp32" and donor in live and donor not in holders and self.waited.get(b) != best:
+                self.waited[b] = best  # (it most likely closes that round too, and announces it soon)
+                continue
+            wanted[b] = holders
+            self.refreshed_at[b] = self.step
+        return wanted
 
     async def _fetch(self, wanted: dict[int, list[str]]) -> None:
+        """Fetch these blocks, then any that came due meanwhile."""
+        while wanted:
+            await self._fetch_blocks(wanted)
+            wanted = self._due()
+
+    async def _fetch_blocks(self, wanted: dict[int, list[str]]) -> None:
         for b, holders in wanted.items():
             n_params = sum(p.numel() for p in self.earlier.blocks[b].parameters())
             since = self.copies.get(b)
@@ -211,8 +239,10 @@ class Upstream:
         return sum(self.node.traffic.totals(h)["received"]["wire_bytes"] for h in holders)
 
     def apply(self) -> None:
-        """Swap the fetched earlier blocks in (only between training chunks)."""
-        for b, got in sorted(self.pending.items()):
+        """Swap the fetched earlier blocks in (only in the training thread between steps, or with
+        no training under way)."""
+        for b in sorted(self.pending):
+            got = self.pending.pop(b)  # (one at a time: the event loop may add more meanwhile)
             exact = not isinstance(got, StateDelta)
             if exact:
                 params = got.params
@@ -228,7 +258,6 @@ class Upstream:
                 self.copies[b] = state_hash(params)
             log.info("block %d now reads block %d at round %d (state %s%s)", self.block, b, got.version.round,
                      got.version.hash[:12], "" if exact else f", close: a change in {self.codec}")
-        self.pending.clear()
 
     def status(self) -> dict:
         return {"reads": self.earlier.versions if self.earlier else {}, "fetches": self.fetches,
@@ -349,8 +378,10 @@ class BlockWorker:
                     break
                 await asyncio.sleep(0.1)
             await asyncio.sleep(JOIN_SETTLE_S)
+            # (the earlier blocks' fetch: started now, or already by an announcement meanwhile)
             fetches = [task for task in (self._settle_fetch() if self.fresh else None,
-                                         self.upstream.refresh(self.step)) if task is not None]
+                                         self.upstream.refresh(self.step) or self.upstream.fetching)
+                       if task is not None]
             await asyncio.gather(*fetches)
             self._adopt_pending()
             self.fresh = False
@@ -403,6 +434,8 @@ class BlockWorker:
     def _train_steps(self, n: int) -> None:
         t = self.cfg.train
         for _ in range(n):
+            if self.upstream.pending:  # (a fresher copy of an earlier block, fetched meanwhile)
+                self.upstream.apply()
             for group in self.opt.param_groups:
                 group["lr"] = learning_rate(self.step, self.cfg)
             windows = random_windows(self.data, t.batch, self.cfg.model.context + 1, self.gen)
@@ -479,6 +512,8 @@ class BlockWorker:
     async def on_version(self, conn: Connection, msg: messages.Message) -> None:
         if msg.block < self.block:
             self.upstream.note(conn.label, msg.block, Version(msg.round, msg.samples, msg.hash))
+            if not self.fresh:  # (a fresh node fetches its first copies itself, before its first step)
+                self.upstream.refresh(self.step)
         if msg.block != self.block:
             return
         version = Version(msg.round, msg.samples, msg.hash)
