@@ -247,8 +247,8 @@ class Swarm:
         self.at(m.compute * share, self.trained, m, m.token)
 
     def left_in_round(self, m: Member) -> float:
-        """The share of its round's local steps a node has still to train (as `state_reply.into`
-        tells a fetcher, in steps); 1 if it is not training (it is averaging: a fetcher would be late
+        """The share of its round's local steps a node has still to train (as `state_reply.left`
+        tells a fetcher when the state has arrived); 1 if it is not training (it is averaging: a fetcher would be late
         for that round anyway, and trains a whole one)."""
         if m.trained_at is None or m.trained_at <= self.now:
             return 1.0
@@ -336,12 +336,12 @@ class Swarm:
         size = self.data_bytes(state.params)
         self.send(holder, m.name, size + 34 * len(holder.replica.expected), self.fetched,
                   SharedState(state.version, state.params.clone(), members=tuple(holder.replica.members())),
-                  self.left_in_round(holder), averaging=False)
+                  holder, averaging=False)
         self.fetches += 1
         m.fetching = True
         return True
 
-    def fetched(self, m: Member, state: SharedState, left: float) -> None:
+    def fetched(self, m: Member, state: SharedState, holder: Member) -> None:
         m.fetching = False
         if not m.alive or not m.replica.wants(state.version, in_round=self.now < self.stop_at):
             if m.replica.ready_at is None and m.alive:
@@ -349,7 +349,9 @@ class Swarm:
             return
         m.local = m.replica.adopt(state, m.local)
         self.announce(m)
-        self.train(m, left)  # (to send its parts with the holder's round, not a round later)
+        # (to send its parts with the holder's round, not a round later; the holder's reply follows
+        # the state, so it says what is left as the state arrives)
+        self.train(m, self.left_in_round(holder) if holder.replica.state.version == state.version else 1.0)
 
     # --- figures -------------------------------------------------------------------------------------
 

@@ -209,7 +209,7 @@ def test_a_joiner_trains_the_rest_of_its_holders_round_and_sends_its_update_with
     wait_until(lambda: training(holder)["round"] >= 1, 120, "the holder's first round")
     joiner = swarm("joiner", 0, *flags, seed=holder)
     history = wait_until(lambda: training(joiner)["history"] or None, 120, "the joiner's first round")
-    assert history[0]["steps"] <= 300 and history[0]["updates"] == 2
+    assert history[0]["steps"] < 300 and history[0]["updates"] == 2
     # and the holder's round of that state counted it too
     held = wait_until(lambda: [h for h in training(holder)["history"] if h["round"] == history[0]["round"]] or None,
                       60, "the holder to close that round")

@@ -65,6 +65,7 @@ RECENT = 4  # states a holder keeps, to send a reader the change from the one it
 COPIES = 64  # readers' copies a holder keeps (the last it made), to send the change from them,
 COPIES_BYTES = 256 << 20  # and at most this many bytes of them
 HISTORY = 50  # rounds kept in the status
+DONOR_WAIT_S = 3.0  # a reader waits this long for the holder that made its copy to announce a version
 JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer,
 JOIN_SETTLE_S = 0.5  # then listens this long for versions before it picks a donor
 
@@ -153,8 +154,8 @@ class Upstream:
     fetched ones in between training steps (the training thread reads the copies), so a copy is
     as fresh as the transfer allows, not a round late. With a `codec` other than fp32 it asks for
     the change from the copy it holds, named by its parameters' hash (see the module's docstring),
-    and waits once for the holder that made that copy if the version came from another first: any
-    other would send a snapshot.
+    and waits up to DONOR_WAIT_S for the holder that made that copy if the version came from another
+    first: any other would send a snapshot.
     """
 
     def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int, codec: str = "fp32") -> None:
@@ -171,7 +172,8 @@ class Upstream:
         self.donors: dict[int, str] = {}  # the holder each copy last came from
         self.pending: dict[int, SharedState | StateDelta] = {}  # (filled on the event loop, emptied by `apply`)
         self.refreshed_at: dict[int, int] = {}  # the step each block was last fetched at
-        self.waited: dict[int, Version] = {}  # the version each block last waited for its donor to announce
+        # the version each block last waited for its donor to announce, and until when
+        self.waited: dict[int, tuple[Version, float]] = {}
         self.step = 0  # this node's step, as of the last `refresh`
         self.fetching: asyncio.Task | None = None
         self.fetches, self.bytes = 0, 0
@@ -205,16 +207,29 @@ class Upstream:
             for version in live.values():
                 if best is None or version.preferred_over(best):
                     best = version
-            if best is None or not best.samples or best == self.held.get(b):  # (0 samples: genesis)
+            fetched = self.pending.get(b)
+            if (best is None or not best.samples or best == self.held.get(b)  # (0 samples: genesis)
+                    or (fetched is not None and fetched.version == best)):
                 continue
             holders = [p for p, v in live.items() if v == best]
             donor = self.donors.get(b)
-            if self.codec != "fp32" and donor in live and donor not in holders and self.waited.get(b) != best:
-                self.waited[b] = best  # (it most likely closes that round too, and announces it soon)
+            if self.codec != "fp32" and donor in live and donor not in holders and self._wait_for_donor(b, best):
                 continue
             wanted[b] = holders
             self.refreshed_at[b] = self.step
         return wanted
+
+    def _wait_for_donor(self, b: int, best: Version) -> bool:
+        """Whether to wait for the holder that made block b's copy to announce `best` (it most
+        likely closes that round too, within the averaging deadline): yes for DONOR_WAIT_S after
+        `best` was first seen without it, then looked at again."""
+        now = time.monotonic()
+        version, until = self.waited.get(b, (None, 0.0))
+        if version != best:
+            self.waited[b] = (best, now + DONOR_WAIT_S)
+            asyncio.get_running_loop().call_later(DONOR_WAIT_S, lambda: self.refresh(self.step))
+            return True
+        return now < until
 
     async def _fetch(self, wanted: dict[int, list[str]]) -> None:
         """Fetch these blocks, then any that came due meanwhile."""
