@@ -172,7 +172,7 @@ def invalid_frames() -> dict[str, tuple[str, str]]:
     out["tensor_size_mismatch"] = (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
                                                         "data": msgpack.ExtType(1, bad)})), "bad_tensor")
     # int2: a bitmap with 3 values not 0 needs a byte of signs after it
-    bad = msgpack.packb(["float32", [8], "int2", "none", b"\x16", b"\x00\x00\x20\x40", 256])
+    bad = msgpack.packb(["float32", [8], "int2", "none", b"\x16", b"\x20\x40", 256])
     out["int2_signs_missing"] = (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
                                                       "data": msgpack.ExtType(1, bad)})), "bad_tensor")
     return out

@@ -95,7 +95,7 @@ def test_tensor_round_trip_within_the_codecs_bound(dtype, codec, compression):
     elif codec == "int2":  # -1, 0 or 1 times 2.5 mean|x| per 256 values: off by at most half a scale unless clipped
         blocks = t.float().view(-1).split(256)
         scale = torch.cat([torch.full_like(b, min(2.5 * b.abs().mean().item(), b.abs().max().item()))
-                           for b in blocks]).view(t.shape)
+                           for b in blocks]).view(t.shape).to(torch.bfloat16).float()  # (scales travel as bf16)
         expected = (t.float() / scale).round().clamp(-1, 1) * scale
         cast = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
         assert torch.allclose(back.float(), expected, rtol=cast, atol=1e-5)
@@ -112,7 +112,7 @@ def test_int2_sends_values_of_one_size_and_a_lone_last_value():
     for t in (torch.full((256,), 0.01), torch.tensor([0.3]), torch.tensor([6e4, 2e4], dtype=torch.float16)):
         back = decode_tensor(encode_tensor(t, "int2"))
         assert torch.isfinite(back).all() and (back.float().abs() > 0).any()
-        assert back.float().abs().max() <= t.float().abs().max() * 1.001
+        assert back.float().abs().max() <= t.float().abs().max() * 1.004  # (bf16 scales: 3 digits)
 
 
 def test_int2_takes_a_bit_per_value_and_a_sign_bit_per_value_not_zero():

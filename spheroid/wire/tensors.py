@@ -5,9 +5,9 @@ Extension type 1 carries one tensor. Its payload is itself a msgpack array:
     [dtype, shape, codec, compression, data, scales, block]
 
 `dtype` is the tensor's dtype after decoding; `codec` says how `data` holds the values ("raw": in
-dtype itself; "fp16"/"bf16": cast; "int8"/"int4"/"int2": symmetric integers with one float32 scale
-per `block` elements, in `scales`, int4 packed two to a byte, int2 (-1, 0 or 1) as a bitmap of the
-nonzero values and then their signs, a bit each); `compression` is "none" or "lz4"
+dtype itself; "fp16"/"bf16": cast; "int8"/"int4"/"int2": symmetric integers with one scale per
+`block` elements, in `scales` (float32; bfloat16 for int2), int4 packed two to a byte, int2 (-1, 0
+or 1) as a bitmap of the nonzero values and then their signs, a bit each); `compression` is "none" or "lz4"
 (block format, size not stored: the receiver knows it). All numbers are little-endian. Nothing here
 can execute code: a payload is checked against its header (sizes, dtype, codec) before any buffer
 is allocated from it.
@@ -40,6 +40,9 @@ CODECS = ("raw", "fp16", "bf16", "int8", "int4", "int2")
 COMPRESSIONS = ("none", "lz4")
 QUANTIZED = {"int8": 127, "int4": 7, "int2": 1}  # codec -> the largest integer it writes (symmetric)
 BLOCK = {"int8": 4096, "int4": 4096, "int2": 256}  # elements per scale the encoder uses
+# the scales' type: int2's are bfloat16, since at 256 values a scale float32 scales would be 9% of
+# its bytes (its scale is a rule of thumb, 2.5 times a mean: bfloat16's 3 digits lose nothing)
+SCALE_DTYPE = {"int8": torch.float32, "int4": torch.float32, "int2": torch.bfloat16}
 INT8_ERROR = 0.5 / 127  # int8's worst-case error, relative to the largest magnitude of a block
 INT4_ERROR = 0.5 / 7
 # int2 writes -1, 0 or 1 times a scale of INT2_MEAN_SCALE times the mean magnitude of a block of
@@ -104,7 +107,7 @@ def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: 
         block = BLOCK[codec]
         q, s = quantize(flat.float(), block, codec)
         packed = {"int8": q, "int4": pack(q, 4), "int2": ternary_pack(q)}[codec]
-        data, scales = as_bytes(packed), as_bytes(s)
+        data, scales = as_bytes(packed), as_bytes(s.to(SCALE_DTYPE[codec]))
     if compression == "lz4":
         packed = lz4.block.compress(data, store_size=False)
         if len(packed) < len(data):
@@ -205,21 +208,22 @@ def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tens
     else:
         most = max(numel, BLOCK["int8"])  # (decoding pads to whole blocks: a huge block would allocate it)
         n_scales = -(-numel // block) if 0 < block <= most else -1
-        if n_scales < 0 or len(scales) != 4 * n_scales:
+        scale_type = SCALE_DTYPE[codec]
+        if n_scales < 0 or len(scales) != scale_type.itemsize * n_scales:
             raise ProtocolError("bad_tensor", f"{codec} needs 0 < block <= {most} and "
-                                              f"{max(n_scales, 0)} float32 scales")
+                                              f"{max(n_scales, 0)} {DTYPE_NAMES[scale_type]} scales")
         raw = from_bytes(data, torch.int8 if codec == "int8" else torch.uint8)
         q = {"int8": lambda: raw, "int4": lambda: unpack(raw, numel, 4),
              "int2": lambda: ternary_unpack(raw, numel)}[codec]()
-        flat = dequantize(q, from_bytes(scales, torch.float32), block).to(DTYPES[dtype])
+        flat = dequantize(q, from_bytes(scales, scale_type).float(), block).to(DTYPES[dtype])
     return flat.view(shape)
 
 
 def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric integers with one float32 scale per `block` elements: q = round(x / s) in
-    [-top, top], s = max|x| / top (top = 127 for int8, 7 for int4), or for int2 (top 1)
-    s = min(INT2_MEAN_SCALE mean|x|, max|x|) (a last partial block's mean over its own values); 1 for
-    an all-zero block."""
+    """Symmetric integers with one scale per `block` elements: q = round(x / s) in [-top, top],
+    s = max|x| / top (top = 127 for int8, 7 for int4), or for int2 (top 1)
+    s = min(INT2_MEAN_SCALE mean|x|, max|x|) (a last partial block's mean over its own values)
+    rounded to bfloat16; 1 for an all-zero block. The scales as float32."""
     n = flat.numel()
     padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
     if codec == "int2":
@@ -229,6 +233,7 @@ def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, 
         # (at most the largest: a block of values all about the same size, or a last block of one
         # value, would otherwise round to zeros, and what error feedback owes them would too)
         scales = torch.minimum(INT2_MEAN_SCALE * (padded.abs().sum(dim=1) / counts), padded.abs().amax(dim=1))
+        scales = scales.to(SCALE_DTYPE[codec]).float()  # (as it travels: values are rounded by it)
     else:
         scales = padded.abs().amax(dim=1) / QUANTIZED[codec]
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
