@@ -183,9 +183,9 @@ def test_bad_updates_from_the_wire_are_rejected_and_the_node_keeps_training(swar
 
 def test_int2_refreshes_send_the_change_from_the_copy_held(swarm):
     """A reader of block 0 with --refresh-codec int2 fetches the change from the copy it holds (at
-    first block 0's genesis, which the holder keeps, a change it sends in int8; then the copy the
-    holder made for it, in int2: about a sixteenth of a snapshot), and never a snapshot, since the
-    holder tracks the copy."""
+    first block 0's genesis, which the holder keeps, in int8 if more than a round has passed; then
+    the copy the holder made for it, in int2: about a twentieth of a snapshot), and never a
+    snapshot, since the holder tracks the copy."""
     flags = ["--steps", "60", "--every", "10", "--wait", "5", "--refresh-every", "10"]
     holder = swarm("holder", 0, *flags)
     reader = swarm("reader", 1, *flags, "--refresh-codec", "int2", seed=holder)

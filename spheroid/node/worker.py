@@ -59,7 +59,10 @@ from .node import Node
 
 log = logging.getLogger(__name__)
 
-MAX_SERVING = 2  # state transfers a donor runs at once; more requesters are told to try another holder
+# state transfers a holder runs at once, by kind; more requesters are told to try another holder:
+# 2 snapshots, and 8 changes from readers' copies (each a codec pass and a fraction of a
+# snapshot's bytes; a reader told to try another holder would get a snapshot from it)
+MAX_SERVING = {"snapshot": 2, "change": 8}
 DELTA_CODECS = REFRESH_CODECS[1:]  # codecs a holder sends a change since a state in (all but fp32)
 RECENT = 4  # states a holder keeps, to send a reader the change from the one it holds
 COPIES = 64  # readers' copies a holder keeps (the last it made), to send the change from them,
@@ -118,6 +121,11 @@ class ReadersCopies:
         self.limit, self.limit_bytes = limit, limit_bytes
         self.copies: dict[str, torch.Tensor] = {}  # by the hash of the parameters, the oldest made first
         self.lock = threading.Lock()
+
+    def knows(self, since: str | None) -> bool:
+        """Whether it holds a copy it made with these parameters' hash."""
+        with self.lock:
+            return since in self.copies
 
     def change(self, since: str, known: dict[str, tuple[int, torch.Tensor]], params: torch.Tensor, round: int,
                codec: str) -> tuple[torch.Tensor, str] | None:
@@ -313,7 +321,7 @@ class BlockWorker:
         self._keep(state)
         self.pending: SharedState | None = None  # a fetched state to adopt between training chunks
         self.fetching = False
-        self.serving = 0
+        self.serving = {"snapshot": 0, "change": 0}  # transfers under way, of each kind
         self.served = 0
         self.done = False
         self.history: list[dict] = []  # the last rounds: how many updates, how long this node waited
@@ -564,18 +572,26 @@ class BlockWorker:
         if msg.block != self.block:
             await conn.send(messages.Error(re=msg.id, code="no_state",
                                            message=f"this node holds block {self.block}, not {msg.block}"))
-        elif self.serving >= MAX_SERVING:
+            return
+        kind = self._serves(msg)
+        if self.serving[kind] >= MAX_SERVING[kind]:
             await conn.send(messages.Error(re=msg.id, code="busy", message="try another holder"))
         else:
-            self.node.spawn(self._serve_state(conn, msg))
+            self.node.spawn(self._serve_state(conn, msg, kind))
 
-    async def _serve_state(self, conn: Connection, msg: messages.Message) -> None:
+    def _serves(self, msg: messages.Message) -> str:
+        """What a state request will most likely get: a change, if it names parameters this node
+        knows in a codec for changes, else a snapshot."""
+        known = msg.since in self.recent or msg.since == self.genesis[0] or self.readers.knows(msg.since)
+        return "change" if msg.codec in DELTA_CODECS and known else "snapshot"
+
+    async def _serve_state(self, conn: Connection, msg: messages.Message, kind: str) -> None:
         """Stream this node's state; or, asked in a lossy codec for the change from parameters it
         knows, that change (parameters only: a reader has no use for the outer momentum), keeping
         the copy it makes so that the next change starts from it."""
         state = self.replica.state  # a snapshot: rounds replace the state object, never mutate it
         members = self.replica.members()  # (the group of the round that starts from it)
-        self.serving += 1
+        self.serving[kind] += 1
         try:
             change = None
             if msg.codec in DELTA_CODECS:  # (off the event loop: a codec pass and a hash of the block)
@@ -596,7 +612,7 @@ class BlockWorker:
         except PeerGone as exc:
             log.info("state transfer to %s stopped: %s", conn.label[:8], exc)
         finally:
-            self.serving -= 1
+            self.serving[kind] -= 1
 
     # --- status -------------------------------------------------------------------------------------
 
