@@ -123,9 +123,9 @@ class ReadersCopies:
         self.lock = threading.Lock()
 
     def knows(self, since: str | None) -> bool:
-        """Whether it holds a copy it made with these parameters' hash."""
-        with self.lock:
-            return since in self.copies
+        """Whether it holds a copy it made with these parameters' hash (on the event loop: no lock,
+        which `change` holds only to look up and store; a dict lookup is atomic)."""
+        return since in self.copies
 
     def change(self, since: str, known: dict[str, tuple[int, torch.Tensor]], params: torch.Tensor, round: int,
                codec: str) -> tuple[torch.Tensor, str] | None:
@@ -136,16 +136,18 @@ class ReadersCopies:
         late, or switched holders): int4 and int2 give way to int8 there, since that change is
         many rounds' worth and what the coarse codecs lose of it would take rounds to send. Keeps
         the copy the reader will make (the change as decoded, added as it adds it)."""
-        with self.lock:
+        with self.lock:  # (only around the dict: changes for several readers run at once)
             base = self.copies.get(since)
-            if base is None and since in known:
-                base_round, base = known[since]
-                codec = "int8" if round - base_round > 1 and codec in ("int4", "int2") else codec
-            if base is None:
-                return None
-            change = params - base
-            copy = base + through_codec(change, codec)
-            self.copies[state_hash(copy)] = copy
+        if base is None and since in known:
+            base_round, base = known[since]
+            codec = "int8" if round - base_round > 1 and codec in ("int4", "int2") else codec
+        if base is None:
+            return None
+        change = params - base
+        copy = base + through_codec(change, codec)
+        key = state_hash(copy)
+        with self.lock:
+            self.copies[key] = copy
             while len(self.copies) > max(1, min(self.limit, self.limit_bytes // (4 * params.numel()))):
                 del self.copies[next(iter(self.copies))]
         return change, codec
@@ -599,6 +601,10 @@ class BlockWorker:
                 change = await asyncio.to_thread(self.readers.change, msg.since, known, state.params,
                                                  state.version.round, CODECS[msg.codec])
             if change is None:
+                if kind == "change":  # (the copy was forgotten meanwhile: a snapshot after all)
+                    self.serving["change"] -= 1
+                    kind = "snapshot"
+                    self.serving[kind] += 1
                 stream = await conn.send_tensor(state.flat(), "raw")
             else:
                 stream = await conn.send_tensor(*change, "lz4")

@@ -223,7 +223,7 @@ def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, 
     """Symmetric integers with one scale per `block` elements: q = round(x / s) in [-top, top],
     s = max|x| / top (top = 127 for int8, 7 for int4), or for int2 (top 1)
     s = min(INT2_MEAN_SCALE mean|x|, max|x|) (a last partial block's mean over its own values)
-    rounded to bfloat16; 1 for an all-zero block. The scales as float32."""
+    rounded toward zero to bfloat16; 1 for an all-zero block. The scales as float32."""
     n = flat.numel()
     padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
     if codec == "int2":
@@ -233,7 +233,9 @@ def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, 
         # (at most the largest: a block of values all about the same size, or a last block of one
         # value, would otherwise round to zeros, and what error feedback owes them would too)
         scales = torch.minimum(INT2_MEAN_SCALE * (padded.abs().sum(dim=1) / counts), padded.abs().amax(dim=1))
-        scales = scales.to(SCALE_DTYPE[codec]).float()  # (as it travels: values are rounded by it)
+        # as it travels: rounded toward zero to bfloat16 (its float32 bits but the upper 16), so that
+        # it stays at most the largest value and finite
+        scales = (scales.view(torch.int32) & ~0xFFFF).view(torch.float32)
     else:
         scales = padded.abs().amax(dim=1) / QUANTIZED[codec]
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
