@@ -118,9 +118,10 @@ VALID = {
                 "synced": True},
     "update": {"t": "update", "id": 22, "block": 2, "round": 7, "base": "ab" * 32, "samples": 256, "lo": 0,
                "hi": 4096, "age": 0.0, "stream": 5},
-    "reduced": {"t": "reduced", "id": 37, "block": 2, "round": 7, "base": "ab" * 32, "samples": 512, "lo": 4096,
-                "hi": 8192, "group": {"$bin": group_digest(["0f" * 16, "1e" * 16, "2d" * 16]).hex()},
-                "members": {"$bin": "05"}, "others": ["3c" * 16], "age": 1.25, "stream": 7},  # 0f.., 2d.. and 3c..
+    "reduced": {"t": "reduced", "id": 37, "block": 2, "round": 7, "base": "ab" * 32, "samples": 512, "lo": 16384,
+                "hi": 49152, "group": {"$bin": group_digest(["0f" * 16, "1e" * 16, "2d" * 16]).hex()},
+                "members": {"$bin": "05"}, "others": ["3c" * 16], "age": 1.25, "stream": 7,
+                "leaves": {"$bin": "cd" * 64}},  # 0f.., 2d.. and 3c..
     "state_get": {"t": "state_get", "id": 23, "block": 2},
     "state_reply": {"t": "state_reply", "id": 24, "re": 23, "block": 2, "round": 7, "samples": 1792,
                     "hash": "ab" * 32, "stream": 6, "config": {"model": {"d_model": 32}},

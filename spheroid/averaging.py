@@ -51,6 +51,16 @@ nobody past it. A column owner that dies also takes with it the cells it would
 have passed on to its row; the owners of those cells notice its row's average missing and send
 their cells to that row themselves.
 
+The state's hash is a hash of hashes: of each leaf of `LEAF` values of the parameters (and of the
+outer momentum), so that a replica need not hash the whole state every round. A cell's owner sends,
+with its average, the digests of the leaves that lie within its cell once the round's outer step is
+applied; a replica hashes only the leaves of its own cells, those that straddle two cells, those
+of missing cells, and one other owner's cell a round, chosen at random, to check that owner's
+digests (where they are wrong it uses its own, so its hash then differs from its peers' and the
+version rule below settles which state the swarm keeps). So hashing costs about 2 / n of the state
+per round, not all of it; an owner could still send its peers different values under the same
+digests, and only the replicas that check its cell would see it.
+
 When replicas diverge anyway (a late range, a restart), they announce their `Version` and one rule
 settles which state the swarm keeps: a later round wins, then the state that averaged more samples,
 then the smaller hash. A replica that sees a preferred version fetches that state and rebases its
@@ -65,8 +75,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import random
 import statistics
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -130,9 +142,34 @@ class Version:
         return {"round": self.round, "samples": self.samples, "hash": self.hash}
 
 
-def state_hash(flat: torch.Tensor) -> str:
-    """sha256 of a flat float32 state vector, as hex: what replicas compare to agree."""
-    return hashlib.sha256(flat.detach().to(torch.float32).contiguous().numpy()).hexdigest()  # (no copy)
+LEAF = 1 << 14  # values per leaf of the state hash (64 KiB of float32)
+DIGEST = 32  # bytes of a leaf's digest (sha256)
+
+
+def leaf_range(lo: int, hi: int, n: int) -> range:
+    """The leaves of an n-value vector that lie wholly within [lo, hi) (leaf i: values
+    i * LEAF up to (i + 1) * LEAF, the last one shorter)."""
+    last = hi // LEAF if hi < n else -(-n // LEAF)
+    first = -(-lo // LEAF)
+    return range(first, max(first, last))
+
+
+def leaf_digests(values: torch.Tensor, leaves: Iterable[int], offset: int = 0) -> list[bytes]:
+    """sha256 of each of `leaves` of a vector of which `values` holds the part from `offset` on."""
+    data = values.detach().to(torch.float32).contiguous().numpy()  # (no copy)
+    return [hashlib.sha256(data[i * LEAF - offset : (i + 1) * LEAF - offset]).digest() for i in leaves]
+
+
+def tree_hash(n: int, momentum: bool, digests: list[bytes]) -> str:
+    """The state hash from its leaves' digests (the parameters', then the momentum's), as hex."""
+    return hashlib.sha256(struct.pack("<QB", n, momentum) + b"".join(digests)).hexdigest()
+
+
+def state_hash(params: torch.Tensor, momentum: torch.Tensor | None = None) -> str:
+    """The hash replicas compare to agree on a state (or a reader's copy of a block's parameters)."""
+    every = leaf_range(0, params.numel(), params.numel())
+    digests = leaf_digests(params, every) + (leaf_digests(momentum, every) if momentum is not None else [])
+    return tree_hash(params.numel(), momentum is not None, digests)
 
 
 @dataclass
@@ -149,8 +186,7 @@ class SharedState:
 
     @classmethod
     def create(cls, round_: int, samples: int, params: torch.Tensor, momentum: torch.Tensor | None) -> SharedState:
-        flat = cls.pack(params, momentum)
-        return cls(Version(round_, samples, state_hash(flat)), params, momentum)
+        return cls(Version(round_, samples, state_hash(params, momentum)), params, momentum)
 
     @staticmethod
     def pack(params: torch.Tensor, momentum: torch.Tensor | None) -> torch.Tensor:
@@ -166,10 +202,10 @@ class SharedState:
         if flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() not in (n_params, 2 * n_params):
             raise ValueError(f"a block state is {n_params} or {2 * n_params} float32 values, got "
                              f"{tuple(flat.shape)} {flat.dtype}")
-        if state_hash(flat) != version.hash:
-            raise ValueError(f"state hash {state_hash(flat)[:12]} does not match the announced {version.hash[:12]}")
-        momentum = flat[n_params:].clone() if flat.numel() == 2 * n_params else None
-        return cls(version, flat[:n_params].clone(), momentum)
+        params, momentum = flat[:n_params], flat[n_params:] if flat.numel() == 2 * n_params else None
+        if (got := state_hash(params, momentum)) != version.hash:
+            raise ValueError(f"state hash {got[:12]} does not match the announced {version.hash[:12]}")
+        return cls(version, params.clone(), None if momentum is None else momentum.clone())
 
 
 def split(lo: int, hi: int, k: int) -> list[tuple[int, int]]:
@@ -319,6 +355,9 @@ class Reduced:
     delta: torch.Tensor  # (hi - lo,) float32, as decoded from the wire
     norm: float | None = None  # delta's norm, once checked
     age: float = 0.0  # seconds since the sender's round started, when it sent this
+    # a cell's average (not a row's): the digests of the state's leaves within the cell after the
+    # round, the parameters' then the momentum's, as its owner computed them
+    leaves: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -374,6 +413,7 @@ class Replica:
     counters: Counters = field(default_factory=Counters)
     synced: bool = True  # a member of the next group: genesis, or its parts made every range of its last round
     wire: Callable[[torch.Tensor], torch.Tensor] = identity
+    rng: random.Random = field(default_factory=random.Random)  # picks the owner's cell whose digests it checks
 
     def __post_init__(self) -> None:
         self.announced: dict[str, tuple[Version, bool]] = {}  # peer -> (its version, reached by a round?)
@@ -417,6 +457,11 @@ class Replica:
     @property
     def n_params(self) -> int:
         return self.state.params.numel()
+
+    @property
+    def _sides(self) -> int:
+        """Vectors the state hash covers: the parameters, and the outer momentum if there is one."""
+        return 1 if self.cfg.outer == "average" else 2
 
     @property
     def owns(self) -> bool:
@@ -567,6 +612,8 @@ class Replica:
             return "duplicate"
         elif m.sender not in (layout.owner(r, c), layout.owner(self.row, c)):  # its owner, or it passed on
             return "not the sender's range (another partition)"
+        elif len(m.leaves or b"") != DIGEST * self._sides * len(leaf_range(*cell, self.n_params)):
+            return "leaf digests missing, or not one for each leaf within the cell"
         return m.contributors.problem(self.group, self.digest)
 
     def _due_at(self, stage: str) -> float:
@@ -637,8 +684,7 @@ class Replica:
         lo, hi = self.layout.columns[c]
         if not self.layout.two_level:
             mine = Reduced(self.me, self.round, base, lo, hi, who, total, average)
-            self.reduced[lo, hi] = replace(mine, delta=self._decoded(average, lo, hi))
-            self.sent_cells[lo, hi] = mine
+            self._finish_cell(mine)
             return [Outgoing(mine, tuple(self._row_targets()))]
         out = []
         feedback = self.cfg.feedback and self.cfg.lossy
@@ -665,14 +711,26 @@ class Replica:
         names = sorted(set().union(*(kept[s].contributors.names(self.group) for s in used)))
         mine = Reduced(self.me, self.round, self.state.version.hash, *cell, Contributors.of(self.group, names),
                        total, average)
-        self.reduced[cell] = replace(mine, delta=self._decoded(average, *cell))
-        self.sent_cells[cell] = mine
+        self._finish_cell(mine)
         rows = self.layout.rows
         column = {self.layout.owner(r, c) for r in range(len(rows))}
         # a row whose average did not come has lost its column owner, who would pass this cell on:
         # its members get it from here
         orphans = {m for r in range(len(rows)) if self.layout.owner(r, c) not in kept for m in rows[r]}
         return Outgoing(mine, tuple(sorted((column | orphans | set(self._row_targets())) - {self.me})))
+
+    def _finish_cell(self, mine: Reduced) -> None:
+        """A cell's average, computed here: keep it as the replicas will decode it, with the digests of
+        the state's leaves within the cell once it is applied, which go with it."""
+        decoded = self._decoded(mine.delta, mine.lo, mine.hi)
+        params = torch.empty_like(decoded)
+        momentum = None if self.cfg.outer == "average" else torch.empty_like(decoded)
+        self.outer_step(decoded, mine.lo, mine.hi, params, momentum)
+        leaves = leaf_range(mine.lo, mine.hi, self.n_params)
+        mine.leaves = b"".join(leaf_digests(params, leaves, mine.lo)
+                               + (leaf_digests(momentum, leaves, mine.lo) if momentum is not None else []))
+        self.reduced[mine.lo, mine.hi] = replace(mine, delta=decoded)
+        self.sent_cells[mine.lo, mine.hi] = mine
 
     def _decoded(self, average: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """What every replica will use of an average this replica computed: as its peers decode it
@@ -748,7 +806,8 @@ class Replica:
         sent: dict[int, torch.Tensor] = {}  # column -> this replica's part there as decoded (error feedback)
         for c, r, (lo, hi) in self.layout.all_cells():
             got = self.reduced.get((lo, hi))
-            self.outer_step(got.delta if got is not None else None, lo, hi, params, momentum)
+            self.outer_step(got.delta if got is not None else None, lo, hi, params[lo:hi],
+                            None if momentum is None else momentum[lo:hi])
             if got is None:
                 owners_missing.add(self.layout.owner(r, c))  # (not in step with this replica)
                 names = set()
@@ -776,8 +835,9 @@ class Replica:
         averaged = sum(values.values())
         used = sorted(name for name, n in share.items() if 2 * n >= averaged and name not in owners_missing)
         # samples added: those behind each cell, weighted by its size (a missing cell adds none)
-        self.state = SharedState.create(self.round + 1, self.state.version.samples + weighted // self.n_params,
-                                        params, momentum)
+        version = Version(self.round + 1, self.state.version.samples + weighted // self.n_params,
+                          tree_hash(self.n_params, momentum is not None, self._state_leaves(params, momentum)))
+        self.state = SharedState(version, params, momentum)
         self.counters.rounds += 1
         self.synced = self.me in used  # a member of the next group only if its parts made half the values
         self.expected = (set(used) | self._in_step()) - {self.me}
@@ -787,19 +847,46 @@ class Replica:
 
     def outer_step(self, average: torch.Tensor | None, lo: int, hi: int, params: torch.Tensor,
                    momentum: torch.Tensor | None) -> None:
-        """Range lo:hi of the new parameters (and outer momentum) from the averaged update there
-        (None: it did not arrive, so no update): plain averaging, or Nesterov momentum on it. Range by
-        range, as the ranges are assembled: one pass over the vector, and no vector of the average."""
+        """Range lo:hi of the new parameters (and outer momentum), written into `params` (and
+        `momentum`), hi - lo values each, from the averaged update there (None: it did not arrive, so
+        no update): plain averaging, or Nesterov momentum on it. Range by range, as the ranges are
+        assembled: one pass over the vector, and no vector of the average."""
         base = self.state.params[lo:hi]
         if average is None:
             average = torch.zeros_like(base)
         if self.cfg.outer == "average":
-            torch.add(base, average, out=params[lo:hi])
+            torch.add(base, average, out=params)
             return
         old = self.state.momentum[lo:hi] if self.state.momentum is not None else torch.zeros_like(base)
         mu = self.cfg.outer_momentum
-        torch.add(mu * old, average, out=momentum[lo:hi])
-        torch.add(base, self.cfg.outer_lr * (average + mu * momentum[lo:hi]), out=params[lo:hi])
+        torch.add(mu * old, average, out=momentum)
+        torch.add(base, self.cfg.outer_lr * (average + mu * momentum), out=params)
+
+    def _state_leaves(self, params: torch.Tensor, momentum: torch.Tensor | None) -> list[bytes]:
+        """The digests of every leaf of the new state: for the cells that came, those their owners
+        sent (this replica's own as it computed them), but for one other owner's cell, picked at
+        random, which it checks; it hashes the rest itself (leaves across two cells, missing cells)."""
+        vectors = [params] if momentum is None else [params, momentum]
+        known: list[dict[int, bytes]] = [{} for _ in vectors]  # per vector: leaf -> its digest
+        others = sorted(cell for cell, got in self.reduced.items() if got.sender != self.me)
+        checked = others[self.rng.randrange(len(others))] if others else None
+        for cell, got in self.reduced.items():
+            leaves = leaf_range(*cell, self.n_params)
+            sent = [got.leaves[k : k + DIGEST] for k in range(0, len(got.leaves), DIGEST)]
+            if cell == checked and (mine := [d for v in vectors for d in leaf_digests(v, leaves)]) != sent:
+                owner = self.layout.owner(self.cell_at[cell][1], self.cell_at[cell][0])
+                log.warning("cell %d:%d of round %d: its owner %s sent leaf digests that are not those of its "
+                            "values (this replica's state hash uses its own)", *cell, self.round, owner[:8])
+                self.counters.rejected += 1
+                sent = mine
+            for side in range(len(vectors)):
+                known[side].update(zip(leaves, sent[side * len(leaves) : (side + 1) * len(leaves)], strict=True))
+        out = []
+        for vector, digests in zip(vectors, known, strict=True):
+            todo = [i for i in range(-(-self.n_params // LEAF)) if i not in digests]
+            digests.update(zip(todo, leaf_digests(vector, todo), strict=True))
+            out += [digests[i] for i in range(len(digests))]
+        return out
 
     def _norm_outliers(self, parts: dict[str, Part | Reduced]) -> dict[str, str]:
         """Parts (or rows' averages) whose norm is more than max_norm_ratio away from the median norm

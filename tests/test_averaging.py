@@ -6,12 +6,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from dataclasses import replace
 
 import pytest
 import torch
 
 from spheroid.averaging import (
+    DIGEST,
+    LEAF,
     AveragingConfig,
     Contributors,
     Layout,
@@ -21,6 +24,7 @@ from spheroid.averaging import (
     SharedState,
     Version,
     group_digest,
+    leaf_range,
     state_hash,
 )
 from spheroid.wire import through_codec
@@ -123,6 +127,59 @@ def test_replicas_hold_what_their_peers_decode_through_a_lossy_codec():
     group = replicas(4, wire=wire)
     exchange(group, [torch.randn(P) * 0.01 for _ in group], [8, 8, 8, 8], wire=wire)
     assert len({r.close().state.version.hash for r in group}) == 1
+
+
+PH = 30 * LEAF + 1000  # values of a block in tests of the state hash's leaves (each cell holds whole leaves)
+
+
+@pytest.mark.parametrize("n, flat, outer", [(3, 16, "average"), (4, 16, "nesterov"), (12, 4, "average"),
+                                            (12, 4, "nesterov")])
+def test_the_state_hash_is_built_from_the_leaf_digests_the_owners_send(n, flat, outer):
+    """Each replica hashes about 2 / n of the state, yet its hash is the whole state's."""
+    wire = lambda t: t.to(torch.bfloat16).to(torch.float32)  # noqa: E731 (a lossy codec: decoded twice in two levels)
+    group = replicas(n, AveragingConfig(wait=1.0, flat=flat, outer=outer, codec="bf16"), wire=wire, p=PH)
+    exchange(group, [torch.randn(PH) * 0.01 for _ in group], [8] * n, wire=wire)
+    assert all(leaf_range(*cell, PH) for cell in group[0].reduced)  # (every cell holds leaves...
+    assert all(r.reduced[cell].leaves for r in group for cell in r.reduced)  # ... and came with their digests
+    closed = [r.close() for r in group]
+    assert len({c.state.version.hash for c in closed}) == 1
+    state = closed[0].state
+    assert state.version.hash == state_hash(state.params, state.momentum)
+    assert not any(r.counters.rejected for r in group)
+
+
+def test_forged_leaf_digests_are_caught_by_the_replicas_that_check_that_cell():
+    group = replicas(4, p=PH)
+    forger = group[1]
+    finish = forger._finish_cell
+
+    def forged(mine):  # sends its cell's average right, with digests of other values
+        finish(mine)
+        mine.leaves = bytes(len(mine.leaves))
+
+    forger._finish_cell = forged
+    for seed, r in enumerate(group):
+        r.rng = random.Random(4 + seed)
+    exchange(group, [torch.randn(PH) * 0.01 for _ in group], [8] * 4)
+    closed = {r.me: r.close() for r in group}
+    assert len({c.state.params.sum().item() for c in closed.values()}) == 1  # the same values everywhere
+    true = state_hash(closed[forger.me].state.params)
+    caught = [r.me for r in group if r.counters.rejected]
+    assert caught and len(caught) < 3  # (these seeds: some receivers checked its cell, some did not)
+    for r in group:
+        assert (closed[r.me].state.version.hash == true) == (r is forger or r.me in caught)
+
+
+def test_a_cell_without_its_leaf_digests_is_refused():
+    group = replicas(2, p=PH)
+    parts = [out for r in group for out in r.submit(torch.randn(PH) * 0.01, 8, now=0.0)]
+    for out in parts:
+        assert group[int(out.to[0], 16)].offer(replace(out.message)) == "accepted"
+    cell = next(out.message for out in group[0].due(0.0))
+    refused = "leaf digests missing, or not one for each leaf within the cell"
+    assert group[1].offer(replace(cell, leaves=None)) == refused
+    assert group[1].offer(replace(cell, leaves=cell.leaves[:-DIGEST])) == refused
+    assert group[1].offer(cell) == "accepted"
 
 
 @pytest.mark.parametrize("n, flat, feedback", [(3, 16, False), (3, 16, True), (12, 4, True)])

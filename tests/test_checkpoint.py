@@ -76,3 +76,21 @@ def test_missing_block_and_mismatched_config_are_refused(tmp_path, tiny):
 def test_unknown_config_fields_are_refused():
     with pytest.raises(ValueError, match="unknown field"):
         RunConfig.from_dict({"model": {"d_modle": 3}})
+
+
+def test_a_worker_checkpoint_saved_under_protocol_8_keeps_its_state_under_this_protocols_hash():
+    import hashlib
+
+    from spheroid.averaging import SharedState, Version, state_hash
+    from spheroid.node.worker import from_protocol_8
+
+    params, momentum = torch.randn(40000), torch.randn(40000)
+    old = Version(7, 512, hashlib.sha256(torch.cat([params, momentum]).numpy()).hexdigest())
+    version = from_protocol_8(old, params, momentum)
+    assert version == Version(7, 512, state_hash(params, momentum)) and version.hash != old.hash
+    assert SharedState.unpack(version, torch.cat([params, momentum]), 40000).version == version
+    assert from_protocol_8(version, params, momentum) == version  # this protocol's: as it is
+    other = Version(7, 512, "ab" * 32)
+    assert from_protocol_8(other, params, momentum) == other  # damaged: unpack will say so
+    with pytest.raises(ValueError, match="does not match"):
+        SharedState.unpack(other, torch.cat([params, momentum]), 40000)

@@ -90,7 +90,8 @@ class Averager:
                 await conn.send(messages.Update(**fields))
             else:
                 who = what.contributors
-                await conn.send(messages.Reduced(**fields, group=who.group, members=who.bits, others=list(who.others)))
+                await conn.send(messages.Reduced(**fields, group=who.group, members=who.bits, others=list(who.others),
+                                                 leaves=what.leaves))
 
     async def on_update(self, conn: Connection, msg: messages.Message) -> None:
         if msg.block != self.block:
@@ -108,5 +109,5 @@ class Averager:
             return
         who = Contributors(msg.group, msg.members, tuple(msg.others))
         self.replica.offer(Reduced(conn.label, msg.round, msg.base, msg.lo, msg.hi, who, msg.samples, msg.tensor,
-                                   age=msg.age), time.monotonic())
+                                   age=msg.age, leaves=msg.leaves), time.monotonic())
         self.changed.set()

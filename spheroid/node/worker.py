@@ -30,6 +30,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -151,6 +152,16 @@ class ReadersCopies:
             while len(self.copies) > max(1, min(self.limit, self.limit_bytes // (4 * params.numel()))):
                 del self.copies[next(iter(self.copies))]
         return change, codec
+
+
+def from_protocol_8(version: Version, params: torch.Tensor, momentum: torch.Tensor | None) -> Version:
+    """The version of a checkpoint's state, named by this protocol's hash if it was saved under
+    protocol 8, whose hash was the sha256 of the whole state (so a node upgraded over its
+    checkpoint resumes from it); any other version as it is."""
+    flat = SharedState.pack(params, momentum).detach().to(torch.float32).contiguous()
+    if hashlib.sha256(flat.numpy()).hexdigest() != version.hash:
+        return version
+    return replace(version, hash=state_hash(params, momentum))
 
 
 class Upstream:
@@ -382,9 +393,10 @@ class BlockWorker:
             raise CheckpointError(f"{self.path} holds block {block} of another model or noise schedule; give "
                                   f"this node another --out")
         try:
+            version = from_protocol_8(version, tensors["params"], tensors.get("momentum"))
             state = SharedState.unpack(version, SharedState.pack(tensors["params"], tensors.get("momentum")),
                                        self.n_params)
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(f"{self.path}: {exc}; the file is damaged") from exc
         self.set_params(state.params)
         load_optimizer_tensors(self.opt, tensors)

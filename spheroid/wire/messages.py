@@ -19,7 +19,7 @@ import torch
 
 from .errors import ProtocolError
 
-VERSION = 8
+VERSION = 9
 
 # kind of each field; a trailing "?" marks it optional
 SCHEMAS: dict[str, dict[str, str]] = {
@@ -54,7 +54,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "update": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
                "age": "float", "stream": "uint"},
     "reduced": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
-                "group": "bin", "members": "bin", "others": "list", "age": "float", "stream": "uint"},
+                "group": "bin", "members": "bin", "others": "list", "age": "float", "stream": "uint", "leaves": "bin?"},
     # a state transfer; with "since" (the hash of the parameters the requester holds) and "codec",
     # the responder may send the change from them to its parameters instead, in that codec (or a
     # finer one), and says so with "since" in its reply; "members" is the group of the round that
