@@ -21,6 +21,7 @@ from spheroid.wire import (
     encode,
     encode_tensor,
     stream_frames,
+    through_codec,
 )
 from spheroid.wire.tensors import INT4_ERROR, INT8_ERROR
 
@@ -207,6 +208,48 @@ def test_reading_into_the_decoders_buffer_gives_the_same_messages_as_feeding_it(
         for a, b in zip(got, expected, strict=True):
             assert a.keys() == b.keys() and all(
                 torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def test_a_raw_chunks_data_is_read_straight_into_its_streams_tensor():
+    """With a session's streams as its `place`, a decoder reads a raw chunk's data into its place in
+    the stream's tensor, whatever the split of reads; other chunks (a lossy codec's) are decoded as
+    usual, and so is a chunk that is not its stream's next or has bad bytes after its data."""
+    ids = itertools.count()
+    t = torch.randn(300_000)
+    raw = [out.frame for out in stream_frames(t, 1, lambda: next(ids), chunk_bytes=1 << 18)]
+    lossy = [out.frame for out in stream_frames(t, 2, lambda: next(ids), "int8", chunk_bytes=1 << 18)]
+    data = b"".join(raw + lossy)
+    rng = random.Random(1)
+    for _ in range(4):
+        streams = StreamAssembler()
+        decoder, pos, placed = Decoder(place=streams.destination), 0, []
+        while pos < len(data):
+            with decoder.get_buffer() as buffer:
+                n = min(len(buffer), rng.choice([1, 300, 4096, 1 << 16, 1 << 20]), len(data) - pos)
+                buffer[:n] = data[pos : pos + n]
+            decoder.buffer_updated(n)
+            pos += n
+            while (received := decoder.next_message()) is not None:
+                if received.message["t"] == "stream_begin":
+                    streams.begin(received.message)
+                else:
+                    placed.append((received.message["stream"], received.body == b""))  # (no body: in place)
+                    streams.chunk(received.message)
+        assert placed == [(1, True)] * 5 + [(2, False)] * 5 and decoder.buffered == 0
+        assert torch.equal(streams.take(1), t)
+        assert torch.equal(streams.take(2), through_codec(t, "int8", chunk_bytes=1 << 18))
+    streams = StreamAssembler()
+    decoder = Decoder(place=streams.destination)
+    streams.begin(decoder.feed(raw[0])[0].message)
+    with pytest.raises(ProtocolError, match="chunk 1 arrived, 0 expected"):
+        streams.chunk(decoder.feed(raw[2])[0].message)
+    bad = raw[1][:-1] + b"\x05"  # its block field: a raw tensor has none
+    for in_place in (False, True):
+        streams = StreamAssembler()
+        decoder = Decoder(place=streams.destination if in_place else None)
+        streams.begin(decoder.feed(raw[0])[0].message)
+        with pytest.raises(ProtocolError, match="carries no scales"):
+            decoder.feed(bad)
 
 
 def test_a_large_frames_own_buffer_comes_out_of_the_budget_and_goes_back():

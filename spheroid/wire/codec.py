@@ -9,6 +9,7 @@ message schema. Nothing here touches a socket, so every property is tested on pl
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -17,7 +18,17 @@ import torch
 
 from .errors import ProtocolError
 from .messages import validate
-from .tensors import DEFAULT_LIMITS, EXT_TENSOR, HEAD_BYTES, Limits, decode_tensor, encode_tensor
+from .tensors import (
+    DEFAULT_LIMITS,
+    EXT_TENSOR,
+    HEAD_BYTES,
+    Limits,
+    decode_fields,
+    decode_tensor,
+    encode_tensor,
+    tensor_head,
+    tensor_tail,
+)
 
 HEADER = struct.Struct(">I")
 MAX_FRAME = 4 << 20  # 4 MiB: a stream chunk (up to 1 MiB of tensor data) fits with room to spare
@@ -29,7 +40,7 @@ class EncodedTensor:
     """A tensor already turned into its extension payload, in pieces (for encoding off the event
     loop, and writing the data without joining it to the frame's other bytes)."""
 
-    pieces: list[bytes]
+    pieces: list[bytes | memoryview]
 
     @property
     def size(self) -> int:
@@ -92,7 +103,8 @@ def ext_header(code: int, n: int) -> bytes:
     return b"\xc9" + n.to_bytes(4, "big") + bytes([code])
 
 
-def decode_body(body: bytes | bytearray, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS) -> dict:
+def decode_body(body: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME,
+                limits: Limits = DEFAULT_LIMITS) -> dict:
     """One frame body -> a validated message."""
     message = _stream_chunk(body, limits) if len(body) > HEAD_BYTES else None
     if message is not None:
@@ -124,11 +136,23 @@ FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}  # msgpack's fixext mark
 EXT_LENGTH = {0xC7: 1, 0xC8: 2, 0xC9: 4}  # ext 8/16/32 markers -> bytes of the length after them
 
 
-def _stream_chunk(body: bytes | bytearray, limits: Limits) -> dict | None:
-    """A stream chunk laid out as spheroid writes it (a map whose last entry is `data`, the tensor),
-    its tensor decoded from the frame's own bytes: msgpack would copy them first, and they are
-    nearly the whole frame. None for any other frame (decoded by msgpack, as any chunk may be)."""
+def _stream_chunk(body: bytes | bytearray | memoryview, limits: Limits) -> dict | None:
+    """A stream chunk laid out as spheroid writes it, its tensor decoded from the frame's own bytes:
+    msgpack would copy them first, and they are nearly the whole frame. None for any other frame
+    (decoded by msgpack, as any chunk may be)."""
     view = memoryview(body)
+    found = _chunk_head(view, len(view))
+    if found is None:
+        return None
+    message, start = found
+    message["data"] = decode_tensor(view[start:], limits)
+    return message
+
+
+def _chunk_head(view: memoryview, size: int) -> tuple[dict, int] | None:
+    """From the first bytes of a frame body of `size` bytes, if it is a stream chunk laid out as
+    spheroid writes it (a map whose last entry is `data`, the tensor): its other fields, and where
+    its tensor's payload starts. None for any other frame."""
     head = msgpack.Unpacker(raw=False, strict_map_key=True, max_str_len=MAX_STR, max_bin_len=0, max_array_len=0,
                             max_map_len=16, max_ext_len=0)
     head.feed(view[:HEAD_BYTES])
@@ -138,26 +162,40 @@ def _stream_chunk(body: bytes | bytearray, limits: Limits) -> dict | None:
         last = head.unpack()
     except Exception:  # (not this layout, or not msgpack: the general decoding says which)
         return None
-    if message.get("t") != "stream_chunk" or last != "data" or (at := head.tell()) >= len(body):
+    if message.get("t") != "stream_chunk" or last != "data" or (at := head.tell()) >= len(view):
         return None
-    marker = body[at]
+    marker = view[at]
     if marker in FIXEXT:
-        size, start = FIXEXT[marker], at + 2
+        length, start = FIXEXT[marker], at + 2
     elif marker in EXT_LENGTH:
         start = at + 2 + EXT_LENGTH[marker]
-        size = int.from_bytes(view[at + 1 : start - 1], "big")
+        length = int.from_bytes(view[at + 1 : start - 1], "big")
     else:
         return None
-    if start + size != len(body) or body[start - 1] != EXT_TENSOR:
+    if start > len(view) or start + length != size or view[start - 1] != EXT_TENSOR:
         return None
-    message["data"] = decode_tensor(view[start:], limits)
-    return message
+    return message, start
+
+
+class InPlace(NamedTuple):
+    """A stream chunk being read straight into its stream's tensor: what came before its data, and
+    how many bytes of the frame come after it."""
+
+    message: dict  # the chunk's fields but `data`
+    fields: list  # its tensor's dtype, shape, codec and compression
+    dest: memoryview  # where its data goes
+    tail: int  # bytes of the frame after the data (the tensor's scales and block)
+    size: int  # the frame body's length
+
+
+# (stream chunk fields, tensor dtype, data bytes) -> where that chunk's data goes, or None
+Placer = Callable[[dict, str, int], memoryview | None]
 
 
 class Received(NamedTuple):
     message: dict
     size: int  # bytes the frame took on the wire, header included
-    body: bytes | bytearray  # the frame's body as received (a handshake binds the hellos' exact bytes)
+    body: bytes | memoryview  # the frame's body as received (a handshake binds the hellos' exact bytes)
 
 
 class Budget:
@@ -186,8 +224,9 @@ class Decoder:
     `buffer_updated(n)` let a socket read write straight into the decoder's memory (asyncio's
     BufferedProtocol). Small frames collect in a scratch buffer; once a frame's header says it is
     larger than `DIRECT` bytes, its body gets a buffer of its own (within the process's `budget`,
-    or the frame waits in the scratch buffer as it arrives) and the rest of it is read into place:
-    the bytes of a stream chunk are copied by the kernel, then once, into the stream's tensor.
+    or the frame waits in the scratch buffer as it arrives) and the rest of it is read into place.
+    With a `place` (a session's streams), a raw stream chunk's data is read straight into its place
+    in the stream's tensor, once its first bytes say where that is: the kernel's copy is the only one.
 
     Messages that were complete before a bad frame are returned first, in order; the error is then
     in `error` and raised by the next call. After an error the decoder is dead: the connection must
@@ -197,15 +236,18 @@ class Decoder:
     ROOM = 1 << 15  # the least room a read is offered in the scratch buffer (allocated at the first read)
     READ = 1 << 16  # the most a read is offered there (what one read can make into messages is bounded)
     DIRECT = 1 << 16  # frames with a larger body are read into a buffer of their own
+    PREFIX = 2 * HEAD_BYTES  # a chunk's fields and its tensor's header fit in this, before the data
 
     def __init__(self, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS,
-                 budget: Budget | None = None) -> None:
+                 budget: Budget | None = None, place: Placer | None = None) -> None:
         self.max_frame = max_frame
         self.limits = limits
         self.budget = budget  # a large frame's own buffer is taken from it (or it waits in the scratch buffer)
+        self.place = place
+        self._in_place: InPlace | None = None  # a stream chunk whose data is read into its stream's tensor
         self._scratch = bytearray()  # (it grows while a frame larger than it waits in it, and shrinks after)
         self._start = self._end = 0  # the scratch's bytes [start, end) are received and not yet taken
-        self._body: bytearray | None = None  # a large frame's body, read into place
+        self._body: memoryview | None = None  # a large frame's body, read into place
         self._filled = 0  # bytes of `_body` received
         self._need: int | None = None  # body length of the frame being read, once its header is in
         self.error: ProtocolError | None = None
@@ -238,6 +280,8 @@ class Decoder:
         """Where the next bytes received go (at least one byte of room)."""
         if self._body is not None and self._filled < len(self._body):
             return memoryview(self._body)[self._filled :]
+        if self._in_place is not None and self._filled < len(self._in_place.dest):
+            return self._in_place.dest[self._filled :]
         if self._start == self._end:
             self._start = self._end = 0
             if len(self._scratch) > 2 * self.READ:  # (a frame that waited here is gone: give its memory back)
@@ -252,7 +296,8 @@ class Decoder:
 
     def buffer_updated(self, n: int) -> None:
         """`n` bytes were written at the start of the last `get_buffer()`."""
-        if self._body is not None and self._filled < len(self._body):
+        if ((self._body is not None and self._filled < len(self._body))
+                or (self._in_place is not None and self._filled < len(self._in_place.dest))):
             self._filled += n
         else:
             self._end += n
@@ -270,6 +315,8 @@ class Decoder:
                 body, self._body, self._need = self._body, None, None
                 self._release(len(body))
                 return Received(decode_body(body, self.max_frame, self.limits), HEADER.size + len(body), body)
+            if self._in_place is not None:
+                return self._placed()
             if self._need is None:
                 if self._end - self._start < HEADER.size:
                     return None
@@ -282,8 +329,15 @@ class Decoder:
                 self._need = length
             waiting = self._end - self._start
             if waiting < self._need:
+                if self._need > self.DIRECT and self.place is not None:
+                    if waiting < self.PREFIX:
+                        return None  # (its first bytes say whether it is a chunk whose data can go in place)
+                    if self._read_in_place():
+                        return self._placed()
                 if self._need > self.DIRECT and (self.budget is None or self.budget.reserve(self._need)):
-                    self._body = bytearray(self._need)  # the rest of this frame is read straight into it
+                    # the rest of this frame is read straight into a buffer of its own (uninitialised:
+                    # zeroing it would cost as much as a copy)
+                    self._body = memoryview(torch.empty(self._need, dtype=torch.uint8).numpy())
                     self._body[:waiting] = self._scratch[self._start : self._end]
                     self._filled, self._start, self._end = waiting, 0, 0
                 return None
@@ -295,11 +349,47 @@ class Decoder:
             self.error = exc
             raise
 
+    def _read_in_place(self) -> bool:
+        """Whether the frame now starting is a raw stream chunk whose data `place` says where to
+        put: then its fields are taken, its data received so far goes there, and the rest follows."""
+        view = memoryview(self._scratch)[self._start : self._end]
+        found = _chunk_head(view, self._need)
+        if found is None:
+            return False
+        message, start = found
+        try:
+            fields, data_start, data_end = tensor_head(view[start:])
+        except ProtocolError:  # (decoded as usual, which says what is wrong)
+            return False
+        if fields[2:] != ["raw", "none"] or start + data_end > self._need:
+            return False
+        dest = self.place(message, fields[0], data_end - data_start)
+        if dest is None or len(dest) != data_end - data_start:
+            return False
+        self._in_place = InPlace(message, fields, dest, self._need - start - data_end, self._need)
+        self._start += start + data_start
+        self._filled = min(self._end - self._start, len(dest))
+        dest[: self._filled] = self._scratch[self._start : self._start + self._filled]
+        self._start += self._filled
+        return True
+
+    def _placed(self) -> Received | None:
+        """The chunk read in place, once its data and the bytes after it are in."""
+        chunk = self._in_place
+        if self._filled < len(chunk.dest) or self._end - self._start < chunk.tail:
+            return None
+        tail = memoryview(self._scratch)[self._start : self._start + chunk.tail]
+        self._start += chunk.tail
+        self._in_place, self._need = None, None
+        tensor = decode_fields(*chunk.fields, chunk.dest, *tensor_tail(tail), self.limits)
+        return Received(validate({**chunk.message, "data": tensor}), HEADER.size + chunk.size, b"")
+
     def clear(self) -> None:
         """Drop what is buffered (the connection ended), returning a large frame's buffer to the budget."""
         if self._body is not None:
             self._release(len(self._body))
         self._body, self._need, self._scratch, self._start, self._end = None, None, bytearray(), 0, 0
+        self._in_place = None
 
     def _release(self, nbytes: int) -> None:
         if self.budget is not None:
@@ -311,4 +401,7 @@ class Decoder:
         header = HEADER.size if self._need is not None else 0
         if self._body is not None:
             return header + self._filled
+        if self._in_place is not None:
+            chunk = self._in_place  # (what came before its data, its data so far, and what came after)
+            return header + chunk.size - len(chunk.dest) - chunk.tail + self._filled + self._end - self._start
         return header + self._end - self._start

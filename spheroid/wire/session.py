@@ -118,7 +118,7 @@ class Session:
         self.peer: Hello | None = None  # the peer's hello, once received
         self.streams = StreamAssembler(budget)
         # (`frames`: the process's bytes of large frames being read into buffers of their own)
-        self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME, budget=frames)
+        self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME, budget=frames, place=self.streams.destination)
         self._ids = itertools.count(1)
         self._out = bytearray()
         self.error: ProtocolError | None = None  # what ended the session, once it is raised

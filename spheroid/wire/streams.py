@@ -19,14 +19,23 @@ import torch
 from .codec import Budget, EncodedTensor, encode, encode_pieces
 from .errors import ProtocolError
 from .messages import StreamBegin, StreamChunk
-from .tensors import DEFAULT_LIMITS, DTYPE_NAMES, DTYPES, Limits, decode_tensor, encode_tensor, encode_tensor_pieces
+from .tensors import (
+    DEFAULT_LIMITS,
+    DTYPE_NAMES,
+    DTYPES,
+    Limits,
+    as_view,
+    decode_tensor,
+    encode_tensor,
+    encode_tensor_pieces,
+)
 
 CHUNK_BYTES = 1 << 20
 
 
 class Outgoing(NamedTuple):
     kind: str  # message type
-    pieces: list[bytes]  # the frame, in pieces to write one after the other
+    pieces: list[bytes | memoryview]  # the frame, in pieces to write one after the other
     raw: int  # bytes of tensor data the frame carries, before any codec (the frame size otherwise)
 
     @property
@@ -144,6 +153,17 @@ class StreamAssembler:
         else:
             self._partial[stream] = part
 
+    def destination(self, msg: dict, dtype: str, nbytes: int) -> memoryview | None:
+        """Where a chunk's data may be read straight into: its place in its stream's tensor, if it is
+        the stream's next chunk, of its dtype and size (any other is decoded, and refused, as usual)."""
+        stream = msg.get("stream")
+        part = self._partial.get(stream) if isinstance(stream, int) else None
+        if part is None or msg.get("seq") != part.next_seq or dtype != DTYPE_NAMES[part.out.dtype]:
+            return None
+        lo = part.next_seq * part.chunk_elems
+        piece = part.out[lo : min(lo + part.chunk_elems, part.out.numel())]
+        return as_view(piece) if piece.numel() * piece.element_size() == nbytes else None
+
     def chunk(self, msg: dict) -> int | None:
         """Place one chunk; returns the stream id when this chunk completed it."""
         stream = msg["stream"]
@@ -158,7 +178,8 @@ class StreamAssembler:
         if data.dim() != 1 or data.dtype != part.out.dtype or data.numel() != hi - lo:
             raise ProtocolError("bad_stream", f"stream {stream} chunk {msg['seq']}: expected {hi - lo} "
                                               f"{part.out.dtype} in one dimension, got {list(data.shape)} {data.dtype}")
-        part.out[lo:hi] = data.reshape(-1)
+        if data.data_ptr() != part.out[lo:hi].data_ptr():  # (unless it was read into place)
+            part.out[lo:hi] = data.reshape(-1)
         part.next_seq += 1
         if part.next_seq < part.chunks:
             return None

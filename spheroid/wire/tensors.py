@@ -19,6 +19,7 @@ import math
 import sys
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import lz4.block
 import msgpack
@@ -85,9 +86,11 @@ def encode_tensor(tensor: torch.Tensor, codec: str = "raw", compression: str = "
     return b"".join(encode_tensor_pieces(tensor, codec, compression))
 
 
-def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: str = "none") -> list[bytes]:
+def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: str = "none"
+                         ) -> list[bytes | memoryview]:
     """`encode_tensor`'s payload as pieces that join into it: the header, the data, the rest. A
-    sender writes them one after the other, so the data is copied once, out of the tensor."""
+    sender writes them one after the other, so the data is copied once, by the socket: without a
+    codec the data piece is a view of the tensor's memory, which must not change until it is sent."""
     dtype = DTYPE_NAMES.get(tensor.dtype)
     if dtype is None:
         raise ValueError(f"dtype {tensor.dtype} cannot travel; use one of {sorted(DTYPES)}")
@@ -98,16 +101,16 @@ def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: 
     flat = tensor.detach().to("cpu").contiguous().view(-1)
     scales, block = b"", 0
     if codec == "raw":
-        data = as_bytes(flat)
+        data = as_view(flat)
     elif codec == "fp16":
-        data = as_bytes(flat.to(torch.float16))
+        data = as_view(flat.to(torch.float16))
     elif codec == "bf16":
-        data = as_bytes(flat.to(torch.bfloat16))
+        data = as_view(flat.to(torch.bfloat16))
     else:
         block = BLOCK[codec]
         q, s = quantize(flat.float(), block, codec)
         packed = {"int8": q, "int4": pack(q, 4), "int2": ternary_pack(q)}[codec]
-        data, scales = as_bytes(packed), as_bytes(s.to(SCALE_DTYPE[codec]))
+        data, scales = as_view(packed), as_bytes(s.to(SCALE_DTYPE[codec]))
     if compression == "lz4":
         packed = lz4.block.compress(data, store_size=False)
         if len(packed) < len(data):
@@ -133,10 +136,9 @@ HEAD_BYTES = 256  # a tensor header's fields before `data` fit in this (8 dimens
 BIN_LENGTH = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack's bin markers -> bytes of the length after them
 
 
-def _fields(payload: bytes) -> list:
-    """The payload's seven fields, `data` as a view of the payload: a chunk's data is most of its
-    frame, and msgpack would copy it (the frame's own bytes were already copied out of the frame)."""
-    view = memoryview(payload)
+def tensor_head(view: memoryview) -> tuple[list, int, int]:
+    """A payload's first four fields (dtype, shape, codec, compression), and where its data starts
+    and ends, read from its first bytes (`view`: the payload, or its start)."""
     head = msgpack.Unpacker(max_array_len=16, max_map_len=0, max_str_len=16, max_bin_len=0)
     head.feed(view[:HEAD_BYTES])
     try:
@@ -147,31 +149,48 @@ def _fields(payload: bytes) -> list:
         raise ProtocolError("bad_tensor", "tensor header must be [dtype, shape, codec, compression, data, scales, "
                                           f"block] ({exc or 'cut short'})") from None
     at = head.tell()
-    marker = payload[at] if at < len(payload) else None
+    marker = view[at] if at < len(view) else None
     if marker not in BIN_LENGTH:
         raise ProtocolError("bad_tensor", "tensor data must be bin")
     start = at + 1 + BIN_LENGTH[marker]
-    end = start + int.from_bytes(view[at + 1 : start], "big")
-    if end > len(payload):
-        raise ProtocolError("bad_tensor", "tensor data runs past its payload")
-    tail = msgpack.Unpacker(max_array_len=0, max_map_len=0, max_str_len=0, max_bin_len=len(payload))
-    tail.feed(view[end:])
+    return fields, start, start + int.from_bytes(view[at + 1 : start], "big")
+
+
+def tensor_tail(view: memoryview) -> tuple[Any, Any]:
+    """A payload's last two fields (scales, block), from the bytes after its data."""
+    tail = msgpack.Unpacker(max_array_len=0, max_map_len=0, max_str_len=0, max_bin_len=len(view))
+    tail.feed(view)
     try:
         scales, block = tail.unpack(), tail.unpack()
     except Exception as exc:
         raise ProtocolError("bad_tensor", f"tensor scales and block are not msgpack: {exc or 'cut short'}") from None
-    if tail.tell() != len(payload) - end:
+    if tail.tell() != len(view):
         raise ProtocolError("bad_tensor", "bytes after the tensor's block field")
-    return [*fields, view[start:end], scales, block]
+    return scales, block
 
 
-def decode_tensor(payload: bytes, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+def _fields(payload: bytes | memoryview) -> list:
+    """The payload's seven fields, `data` as a view of the payload: a chunk's data is most of its
+    frame, and msgpack would copy it (the frame's own bytes were already copied out of the frame)."""
+    view = memoryview(payload)
+    fields, start, end = tensor_head(view)
+    if end > len(view):
+        raise ProtocolError("bad_tensor", "tensor data runs past its payload")
+    return [*fields, view[start:end], *tensor_tail(view[end:])]
+
+
+def decode_tensor(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     """Extension payload -> tensor, or ProtocolError naming what is wrong with it.
 
     A raw tensor shares the payload's memory (decoding copies nothing; a stream's chunk is copied
     once, into its place in the stream's tensor): clone it to write to it.
     """
-    dtype, shape, codec, compression, data, scales, block = _fields(payload)
+    return decode_fields(*_fields(payload), limits)
+
+
+def decode_fields(dtype: Any, shape: Any, codec: Any, compression: Any, data: bytes | memoryview, scales: Any,
+                  block: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
+    """`decode_tensor` of a payload's seven fields (a raw tensor over `data`'s memory)."""
     if not all(isinstance(f, str) for f in (dtype, codec, compression)):
         raise ProtocolError("bad_tensor", "dtype, codec and compression must be strings")
     if dtype not in DTYPES:
@@ -290,6 +309,13 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tenso
     n = q.numel()
     padded = torch.nn.functional.pad(q.float(), (0, -n % block)).view(-1, block)
     return (padded * scales[:, None]).view(-1)[:n]
+
+
+def as_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, not copied (little-endian, as `as_bytes`)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.contiguous().numpy()).cast("B")
 
 
 def as_bytes(t: torch.Tensor) -> bytes:
