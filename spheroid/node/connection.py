@@ -202,9 +202,9 @@ class Connection(asyncio.BufferedProtocol):
         """Stream a tensor in chunk frames; returns the stream id to reference in a later message.
 
         Each chunk is encoded (cast, quantised, compressed) in a worker thread, so the event loop
-        keeps serving other peers while a large tensor goes out; raw chunks, which encoding only
-        copies, are encoded in place (a thread's hand-off per chunk cost more than the copy), and
-        so are the chunks of a tensor already `Encoded`.
+        keeps serving other peers while a large tensor goes out; raw chunks are written from the
+        tensor's own memory (so it must not change once sent: senders send tensors they no longer
+        write to), and so are the chunks of a tensor already `Encoded`.
         """
         stream = next(self._streams)
         frames = stream_frames(tensor, stream, self.next_id, codec, compression)
