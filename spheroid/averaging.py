@@ -193,7 +193,7 @@ class SharedState:
         return params if momentum is None else torch.cat([params, momentum])
 
     def flat(self) -> torch.Tensor:
-        """The vector the hash covers and a donor sends: parameters, then momentum if any."""
+        """The vector a donor sends: parameters, then momentum if any."""
         return self.pack(self.params, self.momentum)
 
     @classmethod
@@ -389,6 +389,7 @@ class Counters:
     rejected: int = 0
     adopted: int = 0  # states fetched from peers and rebased onto
     missing: int = 0  # cells not received by a round's deadline
+    forged: int = 0  # cells whose leaf digests, checked, were not those of their values
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -436,6 +437,8 @@ class Replica:
         self.cell_at: dict[tuple[int, int], tuple[int, int]] = {}  # cell -> (column, row)
         self.column_at: dict[tuple[int, int], int] = {}  # column range -> column
         self.reduced: dict[tuple[int, int], Reduced] = {}  # cell -> its average, as this replica uses it
+        # cells averaged here -> their values in the next state (parameters, momentum), as hashed
+        self.stepped: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.outbox: list[Outgoing] = []  # cells received to pass on to this replica's row
         self.sent_cells: dict[tuple[int, int], Reduced] = {}  # cells it sent or passed on, as sent
         self.senders: set[str] = set()  # who sent it parts this round, in time or not
@@ -612,7 +615,7 @@ class Replica:
             return "duplicate"
         elif m.sender not in (layout.owner(r, c), layout.owner(self.row, c)):  # its owner, or it passed on
             return "not the sender's range (another partition)"
-        elif len(m.leaves or b"") != DIGEST * self._sides * len(leaf_range(*cell, self.n_params)):
+        elif m.leaves is None or len(m.leaves) != DIGEST * self._sides * len(leaf_range(*cell, self.n_params)):
             return "leaf digests missing, or not one for each leaf within the cell"
         return m.contributors.problem(self.group, self.digest)
 
@@ -729,6 +732,7 @@ class Replica:
         leaves = leaf_range(mine.lo, mine.hi, self.n_params)
         mine.leaves = b"".join(leaf_digests(params, leaves, mine.lo)
                                + (leaf_digests(momentum, leaves, mine.lo) if momentum is not None else []))
+        self.stepped[mine.lo, mine.hi] = params, momentum  # (`close` uses these values, that these digests hash)
         self.reduced[mine.lo, mine.hi] = replace(mine, delta=decoded)
         self.sent_cells[mine.lo, mine.hi] = mine
 
@@ -806,8 +810,14 @@ class Replica:
         sent: dict[int, torch.Tensor] = {}  # column -> this replica's part there as decoded (error feedback)
         for c, r, (lo, hi) in self.layout.all_cells():
             got = self.reduced.get((lo, hi))
-            self.outer_step(got.delta if got is not None else None, lo, hi, params[lo:hi],
-                            None if momentum is None else momentum[lo:hi])
+            if (lo, hi) in self.stepped:  # (a cell averaged here: its values were made for its digests)
+                stepped_params, stepped_momentum = self.stepped[lo, hi]
+                params[lo:hi] = stepped_params
+                if momentum is not None:
+                    momentum[lo:hi] = stepped_momentum
+            else:
+                self.outer_step(got.delta if got is not None else None, lo, hi, params[lo:hi],
+                                None if momentum is None else momentum[lo:hi])
             if got is None:
                 owners_missing.add(self.layout.owner(r, c))  # (not in step with this replica)
                 names = set()
@@ -868,16 +878,17 @@ class Replica:
         random, which it checks; it hashes the rest itself (leaves across two cells, missing cells)."""
         vectors = [params] if momentum is None else [params, momentum]
         known: list[dict[int, bytes]] = [{} for _ in vectors]  # per vector: leaf -> its digest
-        others = sorted(cell for cell, got in self.reduced.items() if got.sender != self.me)
+        others = sorted(cell for cell, got in self.reduced.items() if got.sender != self.me and got.leaves)
         checked = others[self.rng.randrange(len(others))] if others else None
         for cell, got in self.reduced.items():
             leaves = leaf_range(*cell, self.n_params)
             sent = [got.leaves[k : k + DIGEST] for k in range(0, len(got.leaves), DIGEST)]
             if cell == checked and (mine := [d for v in vectors for d in leaf_digests(v, leaves)]) != sent:
                 owner = self.layout.owner(self.cell_at[cell][1], self.cell_at[cell][0])
-                log.warning("cell %d:%d of round %d: its owner %s sent leaf digests that are not those of its "
-                            "values (this replica's state hash uses its own)", *cell, self.round, owner[:8])
-                self.counters.rejected += 1
+                log.warning("cell %d:%d of round %d (its owner %s, from %s): its leaf digests are not those of "
+                            "its values; this replica's state hash uses its own", *cell, self.round, owner[:8],
+                            got.sender[:8])
+                self.counters.forged += 1
                 sent = mine
             for side in range(len(vectors)):
                 known[side].update(zip(leaves, sent[side * len(leaves) : (side + 1) * len(leaves)], strict=True))

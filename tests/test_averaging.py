@@ -145,7 +145,7 @@ def test_the_state_hash_is_built_from_the_leaf_digests_the_owners_send(n, flat, 
     assert len({c.state.version.hash for c in closed}) == 1
     state = closed[0].state
     assert state.version.hash == state_hash(state.params, state.momentum)
-    assert not any(r.counters.rejected for r in group)
+    assert not any(r.counters.rejected or r.counters.forged for r in group)
 
 
 def test_forged_leaf_digests_are_caught_by_the_replicas_that_check_that_cell():
@@ -164,7 +164,7 @@ def test_forged_leaf_digests_are_caught_by_the_replicas_that_check_that_cell():
     closed = {r.me: r.close() for r in group}
     assert len({c.state.params.sum().item() for c in closed.values()}) == 1  # the same values everywhere
     true = state_hash(closed[forger.me].state.params)
-    caught = [r.me for r in group if r.counters.rejected]
+    caught = [r.me for r in group if r.counters.forged]
     assert caught and len(caught) < 3  # (these seeds: some receivers checked its cell, some did not)
     for r in group:
         assert (closed[r.me].state.version.hash == true) == (r is forger or r.me in caught)
@@ -180,6 +180,16 @@ def test_a_cell_without_its_leaf_digests_is_refused():
     assert group[1].offer(replace(cell, leaves=None)) == refused
     assert group[1].offer(replace(cell, leaves=cell.leaves[:-DIGEST])) == refused
     assert group[1].offer(cell) == "accepted"
+    small = replicas(2)  # cells without a whole leaf: their digests are empty, not absent
+    parts = [out for r in small for out in r.submit(torch.randn(P) * 0.01, 8, now=0.0)]
+    for out in parts:
+        assert small[int(out.to[0], 16)].offer(out.message) == "accepted"
+    cell = next(out.message for out in small[0].due(0.0))
+    assert cell.leaves == b"" and small[1].offer(replace(cell, leaves=None)) == refused
+    assert small[1].offer(cell) == "accepted"
+    assert small[0].offer(next(out.message for out in small[1].due(0.0))) == "accepted"
+    closed = [r.close().state for r in small]
+    assert closed[0].version.hash == closed[1].version.hash == state_hash(closed[0].params)
 
 
 @pytest.mark.parametrize("n, flat, feedback", [(3, 16, False), (3, 16, True), (12, 4, True)])
@@ -220,7 +230,7 @@ def test_a_round_starts_at_a_members_first_message_but_no_more_than_half_the_dea
     late = replicas(2, AveragingConfig(wait=10.0))[0]
     late.submit(torch.zeros(P), 8, now=20.0)
     late.offer(Reduced(peer.me, 0, late.state.version.hash, *flat_range([late.me, peer.me], peer.me),
-                       Contributors.of(late.group, [peer.me]), 8, torch.zeros(32), age=10.0), now=20.5)
+                       Contributors.of(late.group, [peer.me]), 8, torch.zeros(32), age=10.0, leaves=b""), now=20.5)
     assert late.start == 15.0  # half of wait before its own update, not 10.5
 
 
@@ -488,7 +498,8 @@ def test_bad_parts_and_ranges_are_refused_and_counted(bad, reason, kind):
     lo, hi = flat_range(me.group, me.me if kind == "part" else peer.me)
     base = peer.state.version.hash
     message = (Part(peer.me, 0, base, 8, lo, hi, torch.zeros(hi - lo)) if kind == "part" else
-               Reduced(peer.me, 0, base, lo, hi, Contributors.of(me.group, [me.me, peer.me]), 16, torch.zeros(hi - lo)))
+               Reduced(peer.me, 0, base, lo, hi, Contributors.of(me.group, [me.me, peer.me]), 16, torch.zeros(hi - lo),
+                       leaves=b""))
     bad(message)
     assert reason in me.offer(message)
     assert me.counters.rejected == 1 and peer.me not in me.parts and peer.me not in me.reduced
@@ -514,7 +525,7 @@ def test_a_reduced_range_needs_contributors_of_its_group(who, reason):
     me, peer = replicas(2)
     me.submit(torch.zeros(P), 8, now=0.0)
     lo, hi = flat_range(me.group, peer.me)
-    message = Reduced(peer.me, 0, me.state.version.hash, lo, hi, who(me.group), 16, torch.zeros(hi - lo))
+    message = Reduced(peer.me, 0, me.state.version.hash, lo, hi, who(me.group), 16, torch.zeros(hi - lo), leaves=b"")
     assert reason in me.offer(message) and me.counters.rejected == 1
 
 

@@ -60,7 +60,7 @@ def encode(message: dict, max_frame: int = MAX_FRAME) -> bytes:
     return b"".join(encode_pieces(message, max_frame))
 
 
-def encode_pieces(message: dict, max_frame: int = MAX_FRAME) -> list[bytes]:
+def encode_pieces(message: dict, max_frame: int = MAX_FRAME) -> list[bytes | memoryview]:
     """One message as one frame, in pieces that join into it. An EncodedTensor at the top level of
     the message keeps its data as a piece of its own, so that the frame is written without copying
     it again (into msgpack's buffer, then behind the length)."""
@@ -195,7 +195,8 @@ Placer = Callable[[dict, str, int], memoryview | None]
 class Received(NamedTuple):
     message: dict
     size: int  # bytes the frame took on the wire, header included
-    body: bytes | memoryview  # the frame's body as received (a handshake binds the hellos' exact bytes)
+    body: bytes | memoryview  # the frame's body as received (a handshake binds the hellos' exact bytes);
+    #                           empty for a chunk read in place
 
 
 class Budget:
@@ -237,6 +238,7 @@ class Decoder:
     READ = 1 << 16  # the most a read is offered there (what one read can make into messages is bounded)
     DIRECT = 1 << 16  # frames with a larger body are read into a buffer of their own
     PREFIX = 2 * HEAD_BYTES  # a chunk's fields and its tensor's header fit in this, before the data
+    TAIL = 16  # the most bytes after a raw chunk's data (its scales and block: 3) for it to be read in place
 
     def __init__(self, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS,
                  budget: Budget | None = None, place: Placer | None = None) -> None:
@@ -248,7 +250,7 @@ class Decoder:
         self._scratch = bytearray()  # (it grows while a frame larger than it waits in it, and shrinks after)
         self._start = self._end = 0  # the scratch's bytes [start, end) are received and not yet taken
         self._body: memoryview | None = None  # a large frame's body, read into place
-        self._filled = 0  # bytes of `_body` received
+        self._filled = 0  # bytes of `_body` (or of the data read in place) received
         self._need: int | None = None  # body length of the frame being read, once its header is in
         self.error: ProtocolError | None = None
 
@@ -361,7 +363,8 @@ class Decoder:
             fields, data_start, data_end = tensor_head(view[start:])
         except ProtocolError:  # (decoded as usual, which says what is wrong)
             return False
-        if fields[2:] != ["raw", "none"] or start + data_end > self._need:
+        if (fields[2:] != ["raw", "none"] or start + data_start > len(view) or start + data_end > self._need
+                or self._need - start - data_end > self.TAIL):
             return False
         dest = self.place(message, fields[0], data_end - data_start)
         if dest is None or len(dest) != data_end - data_start:

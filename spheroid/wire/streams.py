@@ -156,9 +156,9 @@ class StreamAssembler:
     def destination(self, msg: dict, dtype: str, nbytes: int) -> memoryview | None:
         """Where a chunk's data may be read straight into: its place in its stream's tensor, if it is
         the stream's next chunk, of its dtype and size (any other is decoded, and refused, as usual)."""
-        stream = msg.get("stream")
-        part = self._partial.get(stream) if isinstance(stream, int) else None
-        if part is None or msg.get("seq") != part.next_seq or dtype != DTYPE_NAMES[part.out.dtype]:
+        stream, seq = msg.get("stream"), msg.get("seq")
+        part = self._partial.get(stream) if type(stream) is int else None  # (not a bool, which validate refuses)
+        if part is None or type(seq) is not int or seq != part.next_seq or dtype != DTYPE_NAMES[part.out.dtype]:
             return None
         lo = part.next_seq * part.chunk_elems
         piece = part.out[lo : min(lo + part.chunk_elems, part.out.numel())]

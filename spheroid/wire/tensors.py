@@ -182,8 +182,7 @@ def _fields(payload: bytes | memoryview) -> list:
 def decode_tensor(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
     """Extension payload -> tensor, or ProtocolError naming what is wrong with it.
 
-    A raw tensor shares the payload's memory (decoding copies nothing; a stream's chunk is copied
-    once, into its place in the stream's tensor): clone it to write to it.
+    A raw tensor shares the payload's memory (decoding copies nothing): clone it to write to it.
     """
     return decode_fields(*_fields(payload), limits)
 
