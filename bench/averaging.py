@@ -5,7 +5,8 @@ For each N in --procs it runs N processes twice, on 127.0.0.1, with the same ten
   spheroid  each process is a real node (TCP, the handshake, msgpack frames, the wire codec)
             holding one replica of a block of --params float32 values; the nodes form a full mesh,
             then run rounds of spheroid/node/averager.py: reduce-scatter of the updates' parts to
-            their owners, the owners' averages back to everyone, the outer step, the state's hash
+            their owners, the owners' averages (with their cells' leaf digests) back to everyone,
+            the outer step, the state's hash
   gloo      torch.distributed with the gloo backend: all_reduce (sum) of the same update, then a
             division by N (the average)
 

@@ -3,6 +3,7 @@
 import itertools
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -15,6 +16,7 @@ from spheroid.wire import (
     Budget,
     Decoder,
     ProtocolError,
+    Received,
     StreamAssembler,
     decode_body,
     decode_tensor,
@@ -185,6 +187,20 @@ def test_a_chunk_decodes_alike_in_place_and_through_msgpack_in_any_layout():
             decode_body(bad)
 
 
+def read_in_pieces(decoder: Decoder, data: bytes, rng: random.Random) -> Iterator[Received]:
+    """`data` read into the decoder's buffers as a socket would, in reads of random sizes; each
+    message as it completes."""
+    pos = 0
+    while pos < len(data):
+        with decoder.get_buffer() as buffer:
+            n = min(len(buffer), rng.choice([1, 7, 300, 4096, 1 << 16, 1 << 20]), len(data) - pos)
+            buffer[:n] = data[pos : pos + n]
+        decoder.buffer_updated(n)
+        pos += n
+        while (received := decoder.next_message()) is not None:
+            yield received
+
+
 def test_reading_into_the_decoders_buffer_gives_the_same_messages_as_feeding_it():
     """Large frames are read straight into a buffer of their own, small ones into a scratch buffer;
     any split of the byte stream between reads gives the same messages."""
@@ -195,15 +211,8 @@ def test_reading_into_the_decoders_buffer_gives_the_same_messages_as_feeding_it(
     expected = [m for m, *_ in Decoder().feed(frames)]
     rng = random.Random(0)
     for _ in range(5):
-        decoder, got, pos = Decoder(), [], 0
-        while pos < len(frames):
-            with decoder.get_buffer() as buffer:
-                n = min(len(buffer), rng.choice([1, 7, 4096, 1 << 16, 1 << 20]), len(frames) - pos)
-                buffer[:n] = frames[pos : pos + n]
-            decoder.buffer_updated(n)
-            pos += n
-            while (received := decoder.next_message()) is not None:
-                got.append(received.message)
+        decoder = Decoder()
+        got = [received.message for received in read_in_pieces(decoder, frames, rng)]
         assert len(got) == len(expected) == 1 + 5 + 3 and decoder.buffered == 0
         for a, b in zip(got, expected, strict=True):
             assert a.keys() == b.keys() and all(
@@ -222,19 +231,13 @@ def test_a_raw_chunks_data_is_read_straight_into_its_streams_tensor():
     rng = random.Random(1)
     for _ in range(4):
         streams = StreamAssembler()
-        decoder, pos, placed = Decoder(place=streams.destination), 0, []
-        while pos < len(data):
-            with decoder.get_buffer() as buffer:
-                n = min(len(buffer), rng.choice([1, 300, 4096, 1 << 16, 1 << 20]), len(data) - pos)
-                buffer[:n] = data[pos : pos + n]
-            decoder.buffer_updated(n)
-            pos += n
-            while (received := decoder.next_message()) is not None:
-                if received.message["t"] == "stream_begin":
-                    streams.begin(received.message)
-                else:
-                    placed.append((received.message["stream"], received.body == b""))  # (no body: in place)
-                    streams.chunk(received.message)
+        decoder, placed = Decoder(place=streams.destination), []
+        for received in read_in_pieces(decoder, data, rng):
+            if received.message["t"] == "stream_begin":
+                streams.begin(received.message)
+            else:
+                placed.append((received.message["stream"], received.body == b""))  # (no body: in place)
+                streams.chunk(received.message)
         assert placed == [(1, True)] * 5 + [(2, False)] * 5 and decoder.buffered == 0
         assert torch.equal(streams.take(1), t)
         assert torch.equal(streams.take(2), through_codec(t, "int8", chunk_bytes=1 << 18))
