@@ -248,9 +248,13 @@ class Upstream:
         version, until = self.waited.get(b, (None, 0.0))
         if version != best:
             self.waited[b] = (best, now + DONOR_WAIT_S)
-            asyncio.get_running_loop().call_later(DONOR_WAIT_S, lambda: self.refresh(self.step))
+            self.node.spawn(self._refresh_after(DONOR_WAIT_S))  # (a node's tasks end when it stops)
             return True
         return now < until
+
+    async def _refresh_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        self.refresh(self.step)
 
     async def _fetch(self, wanted: dict[int, list[str]]) -> None:
         """Fetch these blocks, then any that came due meanwhile."""
