@@ -154,10 +154,10 @@ def leaf_range(lo: int, hi: int, n: int) -> range:
     return range(first, max(first, last))
 
 
-def leaf_digests(values: torch.Tensor, leaves: Iterable[int], offset: int = 0) -> list[bytes]:
-    """sha256 of each of `leaves` of a vector of which `values` holds the part from `offset` on."""
+def leaf_digests(values: torch.Tensor, leaves: Iterable[int]) -> list[bytes]:
+    """sha256 of each of `leaves` of a vector."""
     data = values.detach().to(torch.float32).contiguous().numpy()  # (no copy)
-    return [hashlib.sha256(data[i * LEAF - offset : (i + 1) * LEAF - offset]).digest() for i in leaves]
+    return [hashlib.sha256(data[i * LEAF : (i + 1) * LEAF]).digest() for i in leaves]
 
 
 def tree_hash(n: int, momentum: bool, digests: list[bytes]) -> str:
@@ -437,8 +437,10 @@ class Replica:
         self.cell_at: dict[tuple[int, int], tuple[int, int]] = {}  # cell -> (column, row)
         self.column_at: dict[tuple[int, int], int] = {}  # column range -> column
         self.reduced: dict[tuple[int, int], Reduced] = {}  # cell -> its average, as this replica uses it
-        # cells averaged here -> their values in the next state (parameters, momentum), as hashed
-        self.stepped: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # the next state's parameters (and outer momentum), each cell's values written as its
+        # average comes in (while it is in the cache), the others' at the close (from submit on)
+        self.next_params: torch.Tensor | None = None
+        self.next_momentum: torch.Tensor | None = None
         self.outbox: list[Outgoing] = []  # cells received to pass on to this replica's row
         self.sent_cells: dict[tuple[int, int], Reduced] = {}  # cells it sent or passed on, as sent
         self.senders: set[str] = set()  # who sent it parts this round, in time or not
@@ -486,6 +488,8 @@ class Replica:
         self.parts = {c: {} for c in self.mine}
         self.partials = {self.layout.cells[c][self.row]: {} for c in self.mine} if self.layout.two_level else {}
         self.own, self.own_samples, self.ready_at, self.start = delta, samples, now, now
+        self.next_params = torch.empty_like(self.state.params)
+        self.next_momentum = None if self.cfg.outer == "average" else torch.empty_like(self.state.params)
         out = []
         for c, (lo, hi) in enumerate(self.layout.columns):
             part = Part(self.me, self.round, self.state.version.hash, samples, lo, hi, delta[lo:hi],
@@ -570,6 +574,7 @@ class Replica:
         if direct and self.layout.two_level and self.cfg.lossy:  # decoded once more, as relayed ones are
             m = replace(m, delta=self.wire(m.delta))
         self.reduced[cell] = m
+        self._step(m.delta, *cell)
 
     def _check(self, m: Part | Reduced) -> str | None:
         if m.delta.dtype != torch.float32 or m.delta.dim() != 1 or m.delta.numel() != m.hi - m.lo:
@@ -578,7 +583,7 @@ class Replica:
             return f"range {m.lo}:{m.hi} outside the block's {self.n_params} values"
         if m.samples < 1:
             return "no samples behind it"
-        m.norm = float(m.delta.norm())  # (one pass; finite values big enough to overflow fail too)
+        m.norm = float(torch.linalg.vector_norm(m.delta))  # (one pass; finite values big enough to overflow fail too)
         if not math.isfinite(m.norm):
             return "NaN, Inf or overflowing values in it"
         if m.round < self.round:
@@ -726,13 +731,10 @@ class Replica:
         """A cell's average, computed here: keep it as the replicas will decode it, with the digests of
         the state's leaves within the cell once it is applied, which go with it."""
         decoded = self._decoded(mine.delta, mine.lo, mine.hi)
-        params = torch.empty_like(decoded)
-        momentum = None if self.cfg.outer == "average" else torch.empty_like(decoded)
-        self.outer_step(decoded, mine.lo, mine.hi, params, momentum)
+        self._step(decoded, mine.lo, mine.hi)
         leaves = leaf_range(mine.lo, mine.hi, self.n_params)
-        mine.leaves = b"".join(leaf_digests(params, leaves, mine.lo)
-                               + (leaf_digests(momentum, leaves, mine.lo) if momentum is not None else []))
-        self.stepped[mine.lo, mine.hi] = params, momentum  # (`close` uses these values, that these digests hash)
+        vectors = [self.next_params] if self.next_momentum is None else [self.next_params, self.next_momentum]
+        mine.leaves = b"".join(d for v in vectors for d in leaf_digests(v, leaves))
         self.reduced[mine.lo, mine.hi] = replace(mine, delta=decoded)
         self.sent_cells[mine.lo, mine.hi] = mine
 
@@ -799,10 +801,15 @@ class Replica:
         lo, hi = self.layout.columns[c]
         return self.wire(self.own[lo:hi].contiguous())
 
+    def _step(self, average: torch.Tensor | None, lo: int, hi: int) -> None:
+        """Values lo:hi of the next state, from the average there (None: none came)."""
+        self.outer_step(average, lo, hi, self.next_params[lo:hi],
+                        None if self.next_momentum is None else self.next_momentum[lo:hi])
+
     def close(self) -> Closed:
-        """Assemble the averaged cells, apply the outer step, move to the next round's shared state."""
-        params = torch.empty_like(self.state.params)  # (every cell is written below: one pass over it)
-        momentum = None if self.cfg.outer == "average" else torch.empty_like(params)
+        """Assemble the averaged cells (the cells that did not come keep their values), move to the
+        next round's shared state."""
+        params, momentum = self.next_params, self.next_momentum
         carry = None
         names_of: dict[Contributors, set[str]] = {}  # (cells mostly share their contributors)
         values: dict[Contributors, int] = {}  # how many values of the vector each set of contributors averaged
@@ -810,15 +817,8 @@ class Replica:
         sent: dict[int, torch.Tensor] = {}  # column -> this replica's part there as decoded (error feedback)
         for c, r, (lo, hi) in self.layout.all_cells():
             got = self.reduced.get((lo, hi))
-            if (lo, hi) in self.stepped:  # (a cell averaged here: its values were made for its digests)
-                stepped_params, stepped_momentum = self.stepped[lo, hi]
-                params[lo:hi] = stepped_params
-                if momentum is not None:
-                    momentum[lo:hi] = stepped_momentum
-            else:
-                self.outer_step(got.delta if got is not None else None, lo, hi, params[lo:hi],
-                                None if momentum is None else momentum[lo:hi])
             if got is None:
+                self._step(None, lo, hi)
                 owners_missing.add(self.layout.owner(r, c))  # (not in step with this replica)
                 names = set()
             else:
@@ -905,7 +905,7 @@ class Replica:
         there is no majority, and this replica trusts its own."""
         if len(parts) < 2:
             return {}
-        norms = {s: float(u.delta.norm()) if u.norm is None else u.norm for s, u in parts.items()}
+        norms = {s: float(torch.linalg.vector_norm(u.delta)) if u.norm is None else u.norm for s, u in parts.items()}
         two = len(norms) == 2
         ref = norms[self.me] if two else statistics.median(norms.values())
         ratio, out = self.cfg.max_norm_ratio, {}

@@ -29,7 +29,10 @@ class Traffic:
         self._counts: dict[Key, Counter] = defaultdict(Counter)
 
     def count(self, direction: str, peer: str, kind: str, wire: int, raw: int | None = None) -> None:
-        self._counts[(direction, peer, kind)].add(Counter(1, wire, wire if raw is None else raw))
+        counter = self._counts[(direction, peer, kind)]  # (every frame is counted: no Counter made for it)
+        counter.frames += 1
+        counter.wire_bytes += wire
+        counter.raw_bytes += wire if raw is None else raw
 
     def relabel(self, old: str, new: str) -> None:
         """Move the counts of peer `old` to `new` (clients are all counted as one peer)."""

@@ -82,16 +82,17 @@ class Averager:
         conn = await self.node.reach(peer)
         if conn is None:
             return  # gone, or out of reach: its cells will be missing this round, or it will miss this one
+        fields = {"block": self.block, "round": what.round, "base": what.base, "samples": what.samples,
+                  "lo": what.lo, "hi": what.hi, "age": what.age, "stream": 0}  # (send_tensor names the stream)
+        if isinstance(what, Part):
+            message = messages.Update(**fields)
+        else:
+            who = what.contributors
+            message = messages.Reduced(**fields, group=who.group, members=who.bits, others=list(who.others),
+                                       leaves=what.leaves)
         with contextlib.suppress(PeerGone):
-            stream = await conn.send_tensor(what.delta if encoded is None else encoded, self.codec, self.compression)
-            fields = {"block": self.block, "round": what.round, "base": what.base, "samples": what.samples,
-                      "lo": what.lo, "hi": what.hi, "age": what.age, "stream": stream}
-            if isinstance(what, Part):
-                await conn.send(messages.Update(**fields))
-            else:
-                who = what.contributors
-                await conn.send(messages.Reduced(**fields, group=who.group, members=who.bits, others=list(who.others),
-                                                 leaves=what.leaves))
+            await conn.send_tensor(what.delta if encoded is None else encoded, self.codec, self.compression,
+                                   then=message)
 
     async def on_update(self, conn: Connection, msg: messages.Message) -> None:
         if msg.block != self.block:

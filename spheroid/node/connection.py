@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from ..wire import Encoded, ProtocolError, stream_frames
-from ..wire.messages import Error, Hello, Message
+from ..wire import Encoded, Outgoing, ProtocolError, stream_frames
+from ..wire.messages import STREAM_FIELDS, Error, Hello, Message
 from ..wire.session import Arrived, Frame, Opened, Refused, Session
 from .accounting import Traffic
 
@@ -103,12 +103,21 @@ class Connection(asyncio.BufferedProtocol):
             return
         self._heard = asyncio.get_running_loop().time()
         try:
-            self._events_in += self.session.buffer_updated(nbytes)
+            events = self.session.buffer_updated(nbytes)
         except ProtocolError:  # (kept in session.error: `_events` raises it after what came before)
+            events = None
             self._pause_reading()
+        for event in events or ():
+            # once open, a stream's frames are only counted (the reader need not wake for them); in
+            # the handshake every event wakes `open`, which sends this side's next step
+            if isinstance(event, Frame) and self.hello is not None:
+                self._count(event)
+            else:
+                self._events_in.append(event)
         if len(self._events_in) >= self.MAX_QUEUED:
             self._pause_reading()
-        self._wake()
+        if self._events_in or events is None:
+            self._wake()
 
     def _pause_reading(self) -> None:
         if not self._reading_paused:
@@ -170,47 +179,63 @@ class Connection(asyncio.BufferedProtocol):
         """Send one message (the session assigns its id unless it has one)."""
         if self.closed:
             raise PeerGone(f"connection to {self.label} is closed")
-        await self._write(self.session.send(message), message.t)
+        frame = self.session.send(message)
+        await self._write([Outgoing(message.t, [frame], len(frame))])
 
     async def _flush(self, kind: str) -> None:
         """Write what the session itself queued (its hello, its proof)."""
         if frame := self.session.data_to_send():
-            await self._write(frame, kind)
+            await self._write([Outgoing(kind, [frame], len(frame))])
 
-    async def _write(self, frame: bytes | list[bytes], kind: str, raw: int | None = None) -> None:
-        """Write one frame (or its pieces, in order), waiting while the peer is slow to take it."""
+    async def _write(self, frames: list[Outgoing]) -> None:
+        """Write frames, each in its pieces, in order and at once (uvloop: one writev), waiting while
+        the peer is slow to take them."""
         if self.closed:
             raise PeerGone(f"connection to {self.label} is closed")
-        pieces = [frame] if isinstance(frame, bytes) else frame
         async with self._send_lock:
             if self._gone is not None or self.transport.is_closing():
                 raise PeerGone(f"connection to {self.label} is closed")
             try:
-                self.transport.writelines(pieces)  # (uvloop: one writev for the frame's pieces)
-                async with asyncio.timeout(self.timeout):
-                    await self._writable.wait()
+                self.transport.writelines([piece for frame in frames for piece in frame.pieces])
+                if not self._writable.is_set():  # (most writes leave room: no timer for them)
+                    async with asyncio.timeout(self.timeout):
+                        await self._writable.wait()
             except (TimeoutError, OSError) as exc:
                 await self.close()
                 raise PeerGone(f"sending to {self.label} failed: {exc!r}") from None
             if self._gone is not None:
                 raise self._gone
-        self.traffic.count("sent", self.label, kind, sum(len(p) for p in pieces), raw)
+        for frame in frames:
+            self.traffic.count("sent", self.label, frame.kind, frame.size, frame.raw)
+            self._note(frame.kind)
         self.said = asyncio.get_running_loop().time()
-        self._note(kind)
 
-    async def send_tensor(self, tensor: torch.Tensor | Encoded, codec: str = "raw", compression: str = "none") -> int:
-        """Stream a tensor in chunk frames; returns the stream id to reference in a later message.
+    async def send_tensor(self, tensor: torch.Tensor | Encoded, codec: str = "raw", compression: str = "none",
+                          then: Message | None = None) -> int:
+        """Stream a tensor in chunk frames; returns the stream id. `then`: a message that names the
+        stream (in the field `STREAM_FIELDS` gives for its type, set here), sent right behind it.
 
         Each chunk is encoded (cast, quantised, compressed) in a worker thread, so the event loop
         keeps serving other peers while a large tensor goes out; raw chunks are written from the
         tensor's own memory (so it must not change once sent: senders send tensors they no longer
-        write to), and so are the chunks of a tensor already `Encoded`.
+        write to), and so are the chunks of a tensor already `Encoded`. The stream's announcement
+        goes out with its first chunk, and `then` with its last: fewer writes, and the peer wakes
+        fewer times.
         """
         stream = next(self._streams)
         frames = stream_frames(tensor, stream, self.next_id, codec, compression)
         inline = isinstance(tensor, Encoded) or (codec == "raw" and compression == "none")
+        held = [next(frames)]  # (the stream_begin, held for the first chunk)
         while (out := next(frames, None) if inline else await asyncio.to_thread(next, frames, None)) is not None:
-            await self._write(out.pieces, out.kind, out.raw)
+            if held[-1].kind != "stream_begin":
+                await self._write(held)
+                held = []
+            held.append(out)
+        if then is not None:
+            message = then.replace(**{STREAM_FIELDS[then.t][0]: stream})
+            frame = self.session.send(message)
+            held.append(Outgoing(message.t, [frame], len(frame)))
+        await self._write(held)
         return stream
 
     async def request(self, message: Message, timeout: float | None = None) -> Message:
@@ -302,7 +327,8 @@ class Connection(asyncio.BufferedProtocol):
         """Tell the peer what it did wrong (best effort), then close."""
         if not self.closed:
             with contextlib.suppress(PeerGone):
-                await self._write(self.session.refuse(exc), "error")
+                frame = self.session.refuse(exc)
+                await self._write([Outgoing("error", [frame], len(frame))])
         await self.close()
 
     async def close(self) -> None:

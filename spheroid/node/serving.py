@@ -379,9 +379,10 @@ class PipelineServer(ABC):
             self.node.spawn(self._run_hop(msg, z))
             return
         conn = await self._connection(hop)
-        if z is not None:
-            msg = msg.replace(z=await conn.send_tensor(z, "raw"))
-        await conn.send(msg)
+        if z is None:
+            await conn.send(msg)
+        else:
+            await conn.send_tensor(z, "raw", then=msg)
 
     async def _reply(self, coordinator: Hop, msg: messages.Message) -> None:
         if coordinator.node == self.node.id:

@@ -64,16 +64,18 @@ def encode_pieces(message: dict, max_frame: int = MAX_FRAME) -> list[bytes | mem
     """One message as one frame, in pieces that join into it. An EncodedTensor at the top level of
     the message keeps its data as a piece of its own, so that the frame is written without copying
     it again (into msgpack's buffer, then behind the length)."""
-    pieces, small = [], []  # small: bytes not yet put in a piece
+    packer = msgpack.Packer(default=_default, use_bin_type=True, autoreset=False)  # (one for the frame: cheaper)
+    pieces, before = [], b""  # before: the current piece's bytes ahead of the packer's
     for key, value in message.items():
+        packer.pack(key)
         if isinstance(value, EncodedTensor):
             head, data, tail = value.pieces
-            small += [msgpack.packb(key), ext_header(EXT_TENSOR, value.size), head]
-            pieces += [b"".join(small), data]
-            small = [tail]
+            pieces += [before + packer.bytes() + ext_header(EXT_TENSOR, value.size) + head, data]
+            packer.reset()
+            before = tail
         else:
-            small.append(msgpack.packb(key) + msgpack.packb(value, default=_default, use_bin_type=True))
-    pieces.append(b"".join(small))
+            packer.pack(value)
+    pieces.append(before + packer.bytes())
     size = len(map_header(len(message))) + sum(len(p) for p in pieces)
     if size > max_frame:
         raise ValueError(f"{message.get('t')} message of {size} bytes exceeds the frame limit of {max_frame}; "

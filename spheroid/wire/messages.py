@@ -13,6 +13,7 @@ receives these; only the codec and the handshake see maps.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -93,14 +94,33 @@ MAX_PEER_ENTRIES = 64
 PEER_FIELDS = {"node": "str", "addr": "str", "role": "str", "blocks": "list", "serves": "list?"}
 
 
+def _is_uint(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is(kind: type) -> Callable[[Any], bool]:
+    return lambda value: isinstance(value, kind)
+
+
+CHECKS: dict[str, Callable[[Any], bool]] = {
+    "uint": _is_uint, "float": _is_number, "str": _is(str), "bin": _is(bytes), "bool": _is(bool), "list": _is(list),
+    "map": _is(dict), "tensor": _is(torch.Tensor)}
+
+
 def check_kind(value: Any, kind: str) -> bool:
-    kind = kind.rstrip("?")
-    if kind == "uint":
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    if kind == "float":
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, {"str": str, "bin": bytes, "bool": bool, "list": list, "map": dict,
-                              "tensor": torch.Tensor}[kind])
+    return CHECKS[kind.rstrip("?")](value)
+
+
+# each type's fields, checked in this order: (name, kind, optional, check); built once, since every
+# frame in and out is validated
+_FIELDS: dict[str, tuple[tuple[str, str, bool, Callable[[Any], bool]], ...]] = {
+    kind: tuple((name, k.rstrip("?"), k.endswith("?"), CHECKS[k.rstrip("?")])
+                for name, k in {**COMMON, **schema}.items())
+    for kind, schema in SCHEMAS.items()}
 
 
 def validate(message: Any) -> dict:
@@ -110,16 +130,16 @@ def validate(message: Any) -> dict:
     kind = message.get("t")
     if not isinstance(kind, str):
         raise ProtocolError("bad_message", "a message needs a string field 't'")
-    schema = SCHEMAS.get(kind)
-    if schema is None:
+    fields = _FIELDS.get(kind)
+    if fields is None:
         raise ProtocolError("unknown_type", f"unknown message type {kind!r}")
-    for name, field_kind in {**COMMON, **schema}.items():
+    for name, field_kind, optional, check in fields:
         if name not in message:
-            if field_kind.endswith("?"):
+            if optional:
                 continue
             raise ProtocolError("bad_field", f"{kind}: missing field {name!r}")
-        if not check_kind(message[name], field_kind):
-            raise ProtocolError("bad_field", f"{kind}: field {name!r} must be {field_kind.rstrip('?')}, "
+        if not check(message[name]):
+            raise ProtocolError("bad_field", f"{kind}: field {name!r} must be {field_kind}, "
                                              f"got {type(message[name]).__name__}")
     return message
 
@@ -145,16 +165,17 @@ class Message:
     reply answers. Subclasses, one per type, are generated from SCHEMAS below."""
 
     t: ClassVar[str] = ""
+    wire_fields: ClassVar[tuple[str, ...]] = ()  # the fields that go on the wire (not attached tensors)
     id: int | None = None
     re: int | None = None
 
     def to_wire(self) -> dict:
         """The map that goes on the wire (optional fields left out when None; attached tensors never)."""
         out: dict[str, Any] = {"t": self.t}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is not None and f.metadata.get("wire", True):
-                out[f.name] = value
+        for name in self.wire_fields:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
         return out
 
     def replace(self, **changes: Any) -> Message:
@@ -170,8 +191,10 @@ def _message_class(kind: str, schema: dict[str, str]) -> type[Message]:
     if kind in STREAM_FIELDS:  # the tensors a receiving session attaches
         fields.append((STREAM_FIELDS[kind][1], Any, dataclasses.field(default=None, metadata={"wire": False})))
     name = "".join(part.capitalize() for part in kind.split("_"))
-    return dataclasses.make_dataclass(name, fields, bases=(Message,), frozen=True, kw_only=True,
-                                      namespace={"t": kind, "__module__": __name__})
+    cls = dataclasses.make_dataclass(name, fields, bases=(Message,), frozen=True, kw_only=True,
+                                     namespace={"t": kind, "__module__": __name__})
+    cls.wire_fields = tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("wire", True))
+    return cls
 
 
 MESSAGES: dict[str, type[Message]] = {kind: _message_class(kind, schema) for kind, schema in SCHEMAS.items()}
@@ -180,8 +203,7 @@ MESSAGES: dict[str, type[Message]] = {kind: _message_class(kind, schema) for kin
 def from_wire(message: dict) -> Message:
     """A checked map (`validate`) as its typed message; fields this version does not know are dropped."""
     cls = MESSAGES[message["t"]]
-    known = {f.name for f in dataclasses.fields(cls) if f.metadata.get("wire", True)}
-    return cls(**{k: v for k, v in message.items() if k in known})
+    return cls(**{k: v for k, v in message.items() if k in cls.wire_fields})
 
 
 # every type by name, for code that builds and matches messages

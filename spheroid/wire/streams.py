@@ -42,6 +42,10 @@ class Outgoing(NamedTuple):
     def frame(self) -> bytes:
         return b"".join(self.pieces)
 
+    @property
+    def size(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
 
 class Encoded(NamedTuple):
     """A tensor encoded once for a stream, to be sent to several peers (each stream's frames differ
@@ -116,6 +120,8 @@ def through_codec(tensor: torch.Tensor, codec: str, compression: str = "none",
 class _Partial:
     def __init__(self, out: torch.Tensor, shape: list[int], chunks: int, chunk_elems: int) -> None:
         self.out, self.shape, self.chunks, self.chunk_elems = out, shape, chunks, chunk_elems
+        self.memory = as_view(out)  # (its bytes, where chunks are read in place)
+        self.chunk_bytes = chunk_elems * out.element_size()
         self.next_seq = 0
 
 
@@ -160,9 +166,9 @@ class StreamAssembler:
         part = self._partial.get(stream) if type(stream) is int else None  # (not a bool, which validate refuses)
         if part is None or type(seq) is not int or seq != part.next_seq or dtype != DTYPE_NAMES[part.out.dtype]:
             return None
-        lo = part.next_seq * part.chunk_elems
-        piece = part.out[lo : min(lo + part.chunk_elems, part.out.numel())]
-        return as_view(piece) if piece.numel() * piece.element_size() == nbytes else None
+        lo = part.next_seq * part.chunk_bytes
+        piece = part.memory[lo : lo + part.chunk_bytes]
+        return piece if len(piece) == nbytes else None
 
     def chunk(self, msg: dict) -> int | None:
         """Place one chunk; returns the stream id when this chunk completed it."""
@@ -178,7 +184,7 @@ class StreamAssembler:
         if data.dim() != 1 or data.dtype != part.out.dtype or data.numel() != hi - lo:
             raise ProtocolError("bad_stream", f"stream {stream} chunk {msg['seq']}: expected {hi - lo} "
                                               f"{part.out.dtype} in one dimension, got {list(data.shape)} {data.dtype}")
-        if data.data_ptr() != part.out[lo:hi].data_ptr():  # (unless it was read into place)
+        if data.data_ptr() != part.out.data_ptr() + lo * part.out.element_size():  # (unless it was read in place)
             part.out[lo:hi] = data.reshape(-1)
         part.next_seq += 1
         if part.next_seq < part.chunks:

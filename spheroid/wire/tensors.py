@@ -117,10 +117,16 @@ def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: 
             data = packed
         else:
             compression = "none"
-    head = msgpack.packb([dtype, list(tensor.shape), codec, compression, b"", scales, block])
-    # the same bytes as packing `data` in place of the empty bin: its header, then itself
-    cut = len(head) - len(msgpack.packb(scales)) - len(msgpack.packb(block)) - len(msgpack.packb(b""))
-    return [head[:cut] + bin_header(len(data)), data, head[cut + 2 :]]  # (an empty bin packs as 2 bytes)
+    # the same bytes as msgpack packing the seven fields: `data` is a bin, its header then itself
+    packer = msgpack.Packer(autoreset=False)
+    packer.pack_array_header(7)
+    for value in (dtype, list(tensor.shape), codec, compression):
+        packer.pack(value)
+    head = packer.bytes() + bin_header(len(data))
+    packer.reset()
+    packer.pack(scales)
+    packer.pack(block)
+    return [head, data, packer.bytes()]
 
 
 def bin_header(n: int) -> bytes:
@@ -328,8 +334,14 @@ def from_bytes(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
     """A tensor over `data`'s memory, not a copy of it (a received payload: nothing else holds it)."""
     if not data:
         return torch.empty(0, dtype=dtype)
+    if isinstance(data, memoryview) and not data.readonly:  # (memory read in place: nothing for torch to warn of)
+        return _tensor_over(data, dtype)
     with warnings.catch_warnings():  # (torch warns once that bytes are not writable)
         warnings.simplefilter("ignore", UserWarning)
-        if dtype == torch.bfloat16:
-            return torch.frombuffer(data, dtype=torch.int16).view(torch.bfloat16)
-        return torch.frombuffer(data, dtype=dtype)
+        return _tensor_over(data, dtype)
+
+
+def _tensor_over(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bfloat16:
+        return torch.frombuffer(data, dtype=torch.int16).view(torch.bfloat16)
+    return torch.frombuffer(data, dtype=dtype)
