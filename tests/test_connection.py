@@ -3,15 +3,17 @@ and every frame counted on both sides."""
 
 import asyncio
 import socket
+import time
 
 import pytest
 import torch
 
 from spheroid.config import NodeConfig
 from spheroid.node.accounting import Traffic
-from spheroid.node.connection import Connection
+from spheroid.node.connection import Connection, PeerGone
 from spheroid.node.node import open_session
-from spheroid.wire.messages import Update
+from spheroid.wire import ProtocolError, encode
+from spheroid.wire.messages import Probe, Update
 
 ME = {"addr": "127.0.0.1:1", "role": "worker", "blocks": [0], "boot": b"12345678"}
 
@@ -54,3 +56,42 @@ def test_a_tensor_and_the_message_naming_it_arrive_together_and_every_frame_is_c
         assert frames == {"stream_begin": 1, "update": 1, **({"stream_chunk": chunks} if chunks else {})}
         assert counts[direction].get("stream_chunk", {"raw_bytes": 0})["raw_bytes"] == numel * 4
     assert sent["sent"]["update"]["wire_bytes"] == received["received"]["update"]["wire_bytes"]
+
+
+def test_a_bad_frame_behind_stream_frames_in_one_read_is_refused_at_once():
+    """The reader is not woken for stream frames, but it is for the error that follows them."""
+
+    async def scenario():
+        receiver, sender, socks = await connected_pair()
+        try:
+            begin = encode({"t": "stream_begin", "id": 50, "stream": 7, "dtype": "float32", "shape": [4],
+                            "chunks": 1, "chunk_elems": 4})
+            wrong_seq = encode({"t": "stream_chunk", "id": 51, "stream": 7, "seq": 3, "data": torch.zeros(4)})
+            sender.transport.write(begin + wrong_seq)  # (in one read: a frame only counted, then the bad one)
+            start = time.monotonic()
+            with pytest.raises(ProtocolError, match="chunk 3 arrived, 0 expected"):
+                await receiver.recv()
+            return time.monotonic() - start
+        finally:
+            for conn in (receiver, sender):
+                await conn.close()
+            for sock in socks:
+                sock.close()
+
+    assert asyncio.run(scenario()) < 5.0  # (not the connection's 10 s timeout)
+
+
+def test_a_tensor_and_message_sent_on_a_closed_connection_say_the_peer_is_gone():
+    async def scenario():
+        receiver, sender, socks = await connected_pair()
+        message = Update(block=0, round=3, base="ab" * 32, samples=8, lo=0, hi=10, age=0.5, stream=0)
+        with pytest.raises(ValueError, match="names no single stream"):
+            await sender.send_tensor(torch.randn(10), then=Probe(streams=[]))
+        await sender.close()  # (its chunk is encoded in a thread, then the message cannot go)
+        with pytest.raises(PeerGone):
+            await sender.send_tensor(torch.randn(10), "int8", then=message)
+        await receiver.close()
+        for sock in socks:
+            sock.close()
+
+    asyncio.run(scenario())

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from ..wire import Encoded, Outgoing, ProtocolError, stream_frames
-from ..wire.messages import STREAM_FIELDS, Error, Hello, Message
+from ..wire.messages import SCHEMAS, STREAM_FIELDS, Error, Hello, Message
 from ..wire.session import Arrived, Frame, Opened, Refused, Session
 from .accounting import Traffic
 
@@ -105,18 +105,17 @@ class Connection(asyncio.BufferedProtocol):
         try:
             events = self.session.buffer_updated(nbytes)
         except ProtocolError:  # (kept in session.error: `_events` raises it after what came before)
-            events = None
-            self._pause_reading()
-        for event in events or ():
+            events = []
+        for event in events:
             # once open, a stream's frames are only counted (the reader need not wake for them); in
             # the handshake every event wakes `open`, which sends this side's next step
             if isinstance(event, Frame) and self.hello is not None:
                 self._count(event)
             else:
                 self._events_in.append(event)
-        if len(self._events_in) >= self.MAX_QUEUED:
+        if self.session.error is not None or len(self._events_in) >= self.MAX_QUEUED:
             self._pause_reading()
-        if self._events_in or events is None:
+        if self._events_in or self.session.error is not None:
             self._wake()
 
     def _pause_reading(self) -> None:
@@ -222,17 +221,26 @@ class Connection(asyncio.BufferedProtocol):
         goes out with its first chunk, and `then` with its last: fewer writes, and the peer wakes
         fewer times.
         """
+        field = STREAM_FIELDS.get(then.t, ("",))[0] if then is not None else None
+        if then is not None and SCHEMAS[then.t].get(field, "").rstrip("?") != "uint":
+            raise ValueError(f"a {then.t} message names no single stream")
         stream = next(self._streams)
         frames = stream_frames(tensor, stream, self.next_id, codec, compression)
         inline = isinstance(tensor, Encoded) or (codec == "raw" and compression == "none")
-        held = [next(frames)]  # (the stream_begin, held for the first chunk)
-        while (out := next(frames, None) if inline else await asyncio.to_thread(next, frames, None)) is not None:
+
+        async def produce() -> Outgoing | None:
+            return next(frames, None) if inline else await asyncio.to_thread(next, frames, None)
+
+        held = [await produce()]  # (the stream_begin, held for the first chunk)
+        while (out := await produce()) is not None:
             if held[-1].kind != "stream_begin":
                 await self._write(held)
                 held = []
             held.append(out)
         if then is not None:
-            message = then.replace(**{STREAM_FIELDS[then.t][0]: stream})
+            if self.closed:  # (closed while the last chunk was encoded)
+                raise PeerGone(f"connection to {self.label} is closed")
+            message = then.replace(**{field: stream})
             frame = self.session.send(message)
             held.append(Outgoing(message.t, [frame], len(frame)))
         await self._write(held)
