@@ -902,16 +902,23 @@ class Replica:
     def _norm_outliers(self, parts: dict[str, Part | Reduced]) -> dict[str, str]:
         """Parts (or rows' averages) whose norm is more than max_norm_ratio away from the median norm
         (its own too: an owner must not push its own outlier into a range everyone uses). With two
-        there is no majority, and this replica trusts its own."""
+        there is no majority, and this replica trusts its own.
+
+        The band widens with the samples behind a part against the median's: an honest update of a
+        share of a round's steps (a joiner's first) is that much smaller, and its peers' that much
+        larger beside it. (Claiming more samples buys no more than it already does, the weight.)"""
         if len(parts) < 2:
             return {}
         norms = {s: float(torch.linalg.vector_norm(u.delta)) if u.norm is None else u.norm for s, u in parts.items()}
         two = len(norms) == 2
         ref = norms[self.me] if two else statistics.median(norms.values())
+        ref_samples = parts[self.me].samples if two else statistics.median(u.samples for u in parts.values())
         ratio, out = self.cfg.max_norm_ratio, {}
         for sender, norm in norms.items():
-            if not (two and sender == self.me) and ref > 0 and not ref / ratio <= norm <= ref * ratio:
-                out[sender] = f"norm {norm:.3g} is far outside its peers' ({ref:.3g})"
+            scale = parts[sender].samples / ref_samples
+            low, high = ref / ratio * min(1.0, scale), ref * ratio * max(1.0, scale)
+            if not (two and sender == self.me) and ref > 0 and not low <= norm <= high:
+                out[sender] = f"norm {norm:.3g} is far outside its peers' ({ref:.3g}, at {scale:.2g}x the samples)"
         return out
 
     # --- versions -----------------------------------------------------------------------------------

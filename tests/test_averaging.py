@@ -575,6 +575,19 @@ def test_a_part_with_a_norm_far_outside_its_peers_is_rejected():
     torch.testing.assert_close(closed.state.params, replicas(1)[0].state.params + 0.011, rtol=0, atol=1e-6)
 
 
+def test_a_part_behind_a_share_of_the_samples_may_be_that_much_smaller():
+    """A joiner's first update, of a share of a round's steps, is accepted beside its peers' full
+    ones, and theirs beside it; the band still holds for a part behind as many samples."""
+    group = replicas(2)
+    exchange(group, [torch.full((P,), 0.01), torch.full((P,), 0.5)], [8, 400])
+    for replica in group:
+        closed = replica.close()
+        assert sorted(closed.contributors) == sorted(r.me for r in group) and not closed.rejected
+    group = replicas(3)
+    exchange(group, [torch.full((P,), 0.01), torch.full((P,), 0.012), torch.full((P,), 0.0001)], [8, 8, 8])
+    assert "norm" in group[0].close().rejected[group[2].me]
+
+
 def test_version_rule_prefers_later_rounds_then_more_samples_then_smaller_hash():
     assert Version(3, 0, "b").preferred_over(Version(2, 999, "a"))
     assert Version(2, 20, "b").preferred_over(Version(2, 10, "a"))

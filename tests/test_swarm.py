@@ -210,8 +210,8 @@ def test_a_joiner_trains_the_rest_of_its_holders_round_and_sends_its_update_with
     joiner = swarm("joiner", 0, *flags, seed=holder)
     history = wait_until(lambda: training(joiner)["history"] or None, 120, "the joiner's first round")
     # (its first round is that share of 400 steps; or, if the holder's version came only after it
-    # had started training from genesis, as on a loaded machine, its steps so far, rebased and sent
-    # at once: either way with the holder's round)
+    # had started training from genesis, as on a loaded machine, its steps so far, rebased onto the
+    # state as it comes, and then that share: either way with the holder's round)
     assert history[0]["updates"] == 2
     # and the holder's round of that state counted it too
     held = wait_until(lambda: [h for h in training(holder)["history"] if h["round"] == history[0]["round"]] or None,

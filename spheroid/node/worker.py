@@ -425,16 +425,13 @@ class BlockWorker:
                        if task is not None]
             await asyncio.gather(*fetches)
             self._adopt_pending()
+            self._settle_fetch()  # (a version heard after the first look, as on a loaded machine)
             self.fresh = False
         t = self.cfg.train
         while self.step < t.steps:
             self._adopt_pending()
-            n = min(self._round_steps(), t.steps - self.step)
-            started, self.round_end = self.step, self.step + n
-            await asyncio.to_thread(self._train_steps, n)
-            self.round_end = None
-            self._adopt_pending()
-            self.left = None  # (adopted after training: this update goes now, rebased onto it)
+            started = self.step
+            await self._train_round()
             closed = await self.averager.round(self.params() - self.replica.state.params,
                                                (self.step - started) * t.batch, self._preferred_pending)
             if closed is None:
@@ -458,6 +455,22 @@ class BlockWorker:
     def compression(self) -> str:
         return "lz4" if self.avg.lz4 else "none"
 
+    async def _train_round(self) -> None:
+        """Train this round's local steps (`_round_steps`). A preferred state fetched meanwhile is
+        adopted at once, this node's progress rebased onto it; then, if its holder was training, this
+        node trains the share of that round the holder had left, so that its update comes with the
+        holder's; else its update goes now. (Trained to the end on the old state, it would come
+        after the holder's round had closed without it.)"""
+        n = self._round_steps()
+        while n > 0:
+            n = min(n, self.cfg.train.steps - self.step)
+            self.round_end = self.step + n
+            await asyncio.to_thread(self._train_steps, n)
+            self.round_end = None
+            adopted = self._adopt_pending()
+            n = self._round_steps() if adopted and self.left is not None else 0
+        self.left = None
+
     def _round_steps(self) -> int:
         """This round's local steps: `every`; or, on a state just fetched from a holder that was
         training, the share of them it had left, so that this node's parts come with the holder's
@@ -473,8 +486,11 @@ class BlockWorker:
         return min(1.0, max(0.0, (self.round_end - self.step) / self.avg.every))
 
     def _train_steps(self, n: int) -> None:
+        """Up to n steps (in a thread); fewer if a preferred state is fetched meanwhile."""
         t = self.cfg.train
         for _ in range(n):
+            if self._preferred_pending():
+                return
             if self.upstream.pending:  # (a fresher copy of an earlier block, fetched meanwhile)
                 self.upstream.apply()
             for group in self.opt.param_groups:
@@ -509,11 +525,12 @@ class BlockWorker:
         self._settle_fetch()  # a peer may have closed this round differently
         self.upstream.refresh(self.step)
 
-    def _adopt_pending(self) -> None:
+    def _adopt_pending(self) -> bool:
+        """Rebase onto the state fetched meanwhile, if it is still preferred; whether it was."""
         self.upstream.apply()
         state, self.pending = self.pending, None
         if state is None or not self.replica.wants(state.version):
-            return
+            return False
         self.set_params(self.replica.adopt(state, self.params()))
         self._keep(state)
         self.save()
@@ -522,6 +539,7 @@ class BlockWorker:
                  state.version.round, state.version.samples,
                  "" if state.left is None else f"; its holder had {state.left:.0%} of that round's steps left")
         self.node.spawn(self._announce())
+        return True
 
     # --- messages -----------------------------------------------------------------------------------
 
@@ -568,8 +586,9 @@ class BlockWorker:
         if self.fetching:
             return None
         best = None
+        in_round = not (self.done or self.fresh)  # (a node yet to train its first step is in no round)
         for version, _ in self.replica.announced.values():
-            if self.replica.wants(version, in_round=not self.done) and (best is None or version.preferred_over(best)):
+            if self.replica.wants(version, in_round) and (best is None or version.preferred_over(best)):
                 best = version
         holders = [p for p, (v, _) in self.replica.announced.items() if v == best and p in self.node.conns]
         if best is None or not holders:
