@@ -19,6 +19,8 @@ DEMO_OUT ?= runs/demo
 DEMO_MODEL ?= --steps 600 --d-model 64 --context 64 --batch 32 --layers-per-block 1 --lr 2e-3
 DEMO_FLAGS ?= $(DEMO_MODEL) --every 20
 STAMP := $(VENV)/.installed
+# the tests in two processes, each file's tests in one (its module fixtures, such as a bench run, run once)
+PYTEST_FLAGS ?= -n 2 --dist loadfile
 
 export SPHEROID_DATA := $(DATA)
 
@@ -35,7 +37,7 @@ $(STAMP): setup.cfg pyproject.toml
 
 test: install
 	$(PY) -m ruff check spheroid bench tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_FLAGS)
 
 lint: install
 	$(PY) -m ruff check spheroid bench tests

@@ -10,8 +10,9 @@ For each N in --procs it runs N processes twice, on 127.0.0.1, with the same ten
   gloo      torch.distributed with the gloo backend: all_reduce (sum) of the same update, then a
             division by N (the average)
 
-Every round starts at one wall-clock instant in all processes (each waits for it), after one
-untimed warm-up round. The time of a round is from that instant to the last process's end; the
+Once every process has started and met its peers, this script names a wall-clock instant;
+every round starts at such an instant in all processes (each waits for it), after one untimed
+warm-up round. The time of a round is from that instant to the last process's end; the
 table gives the median over --rounds. CPU: each process's CPU time (all its threads) spent in the
 timed rounds' averaging, per round: on a machine with fewer cores than processes it is what the
 round's time is made of. Bytes sent per node: what the kernel counted on the loopback
@@ -68,6 +69,30 @@ async def sleep_until(t: float) -> None:
     await asyncio.sleep(max(0.0, t - time.time()))
 
 
+def ready_then_start(folder: Path, rank: int) -> float:
+    """Say this process is ready (started, met its peers); the instant of the first round, once the
+    script has named it."""
+    (folder / f"{rank}.ready").touch()
+    while not (start := folder / "start").exists():
+        time.sleep(0.01)
+    return float(start.read_text())
+
+
+def name_start(folder: Path, procs: list[subprocess.Popen], timeout: float) -> float:
+    """Wait until every member process is ready, then name the instant the first round starts."""
+    deadline = time.monotonic() + timeout
+    while len(list(folder.glob("*.ready"))) < len(procs):
+        if any(p.poll() not in (None, 0) for p in procs):
+            raise RuntimeError("a member process failed before its first round")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the processes were not all ready within --setup-s {timeout:g}: raise it")
+        time.sleep(0.02)
+    start = time.time() + 0.5
+    (folder / "start.tmp").write_text(repr(start))
+    (folder / "start.tmp").rename(folder / "start")  # (whole, or not there)
+    return start
+
+
 # --- one process ---------------------------------------------------------------------------------
 
 
@@ -81,13 +106,14 @@ async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
     try:
         while len([c for c in node.conns.values() if not c.closed]) < a.n - 1:  # the full mesh
             await asyncio.sleep(0.05)
+        start0 = await asyncio.to_thread(ready_then_start, folder, a.rank)
         genesis = torch.randn(a.params, generator=torch.Generator().manual_seed(0))
         replica = Replica(node.id, SharedState.create(0, 0, genesis, None), AveragingConfig(wait=a.interval),
                           expected=set(node.conns))
         averager = Averager(node, 0, replica, "fp32", "none")
         rounds, sent, cpu = [], 0, 0.0
         for r in range(-1, a.rounds):  # round -1: the warm-up
-            start = a.start + (r + 1) * a.interval
+            start = start0 + (r + 1) * a.interval
             delta = update(a.rank, r, a.params)
             await sleep_until(start)
             if r == 0:
@@ -101,7 +127,7 @@ async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
         cpu -= time.process_time()
         await averager.flush()
         sent, cpu = node.traffic.totals()["sent"]["wire_bytes"] - sent, cpu + time.process_time()
-        await sleep_until(a.start + (a.rounds + 1) * a.interval)  # the others may still be sending to it
+        await sleep_until(start0 + (a.rounds + 1) * a.interval)  # the others may still be sending to it
         return {"rounds": rounds[1:], "sent_bytes_per_round": sent / a.rounds, "cpu_s_per_round": cpu / a.rounds}
     finally:
         await node.stop()
@@ -114,9 +140,10 @@ def gloo_member(a: argparse.Namespace) -> dict:
     port = int(a.ports.split(",")[0])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=a.rank, world_size=a.n)
     try:
+        start0 = ready_then_start(a.folder, a.rank)
         rounds, cpu = [], 0.0
         for r in range(-1, a.rounds):
-            start = a.start + (r + 1) * a.interval
+            start = start0 + (r + 1) * a.interval
             x = update(a.rank, r, a.params)
             time.sleep(max(0.0, start - time.time()))
             cpu -= time.process_time() if r >= 0 else 0.0
@@ -136,25 +163,30 @@ def gloo_member(a: argparse.Namespace) -> dict:
 def run(kind: str, n: int, params: int, rounds: int, interval: float, setup_s: float) -> dict:
     """N processes of one kind; their per-round times and the loopback bytes of the timed rounds."""
     ports = free_ports(n)
-    start = time.time() + setup_s
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for rank in range(n):
             out = Path(tmp) / f"{rank}.json"
             cmd = [sys.executable, __file__, "--member", kind, "--rank", str(rank), "--n", str(n), "--ports",
-                   ",".join(map(str, ports)), "--params", str(params), "--rounds", str(rounds), "--start",
-                   repr(start), "--interval", str(interval), "--member-out", str(out), "--folder", tmp]
+                   ",".join(map(str, ports)), "--params", str(params), "--rounds", str(rounds),
+                   "--interval", str(interval), "--member-out", str(out), "--folder", tmp]
             procs.append((subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}), out))
-        first = start + interval  # after the warm-up round
-        time.sleep(max(0.0, first - 0.05 - time.time()))
-        tx0 = loopback_tx_bytes()
-        time.sleep(max(0.0, first + rounds * interval - 0.05 - time.time()))
-        tx1 = loopback_tx_bytes()
-        results = []
-        for proc, out in procs:
-            if proc.wait(timeout=setup_s + (rounds + 3) * interval + 60) != 0:
-                raise RuntimeError(f"a {kind} process failed (exit {proc.returncode})")
-            results.append(json.loads(out.read_text()))
+        try:
+            start = name_start(Path(tmp), [p for p, _ in procs], setup_s)
+            first = start + interval  # after the warm-up round
+            time.sleep(max(0.0, first - 0.05 - time.time()))
+            tx0 = loopback_tx_bytes()
+            time.sleep(max(0.0, first + rounds * interval - 0.05 - time.time()))
+            tx1 = loopback_tx_bytes()
+            results = []
+            for proc, out in procs:
+                if proc.wait(timeout=(rounds + 3) * interval + 60) != 0:
+                    raise RuntimeError(f"a {kind} process failed (exit {proc.returncode})")
+                results.append(json.loads(out.read_text()))
+        finally:
+            for proc, _ in procs:
+                proc.kill()  # (those still running after a failure; the others are reaped already)
+                proc.wait()
     times = [max(m["rounds"][r]["end"] for m in results) - results[0]["rounds"][r]["start"] for r in range(rounds)]
     late = [t for t in times if t > interval]
     if late:
@@ -175,11 +207,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--params", type=int, default=1 << 22, help="float32 values averaged (default 16 MiB)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between round starts")
-    parser.add_argument("--setup-s", type=float, default=None, help="seconds for the processes to start and meet")
+    parser.add_argument("--setup-s", type=float, default=120.0,
+                        help="the longest to wait for the processes to start and meet")
     parser.add_argument("--out", type=Path, default=Path("bench/results/averaging.json"))
     # one process of a run (internal)
     parser.add_argument("--member", choices=["spheroid", "gloo"], help=argparse.SUPPRESS)
-    for name, kind in (("--rank", int), ("--n", int), ("--ports", str), ("--start", float),
+    for name, kind in (("--rank", int), ("--n", int), ("--ports", str),
                        ("--member-out", Path), ("--folder", Path)):
         parser.add_argument(name, type=kind, help=argparse.SUPPRESS)
     a = parser.parse_args(argv)
@@ -194,10 +227,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = []
     for n in [int(x) for x in a.procs.split(",")]:
-        setup = a.setup_s if a.setup_s is not None else 5.0 + 1.0 * n
         for kind in ("gloo", "spheroid"):
             log.info("%s, %d processes, %d values, %d rounds", kind, n, a.params, a.rounds)
-            rows.append(run(kind, n, a.params, a.rounds, a.interval, setup))
+            rows.append(run(kind, n, a.params, a.rounds, a.interval, a.setup_s))
     tensor_bytes = 4 * a.params
     table = []
     for n in sorted({r["procs"] for r in rows}):

@@ -44,7 +44,7 @@ log = logging.getLogger("bench.quality")
 PRESETS: dict[str, dict] = {
     # a smoke run for the test suite: minutes on two cores, numbers meaningless
     "ci": {"model": {"d_model": 32, "n_heads": 2, "layers_per_block": 1, "context": 32},
-           "train": {"steps": 40, "batch": 8, "warmup": 10}, "eval_windows": 32, "snapshots": 2, "jobs": 1,
+           "train": {"steps": 40, "batch": 8, "warmup": 10}, "eval_windows": 32, "snapshots": 2, "jobs": 2,
            "refresh_every": 10},
     # about 45 minutes on a 2-core CPU
     "small": {"model": {"d_model": 128, "n_heads": 4, "layers_per_block": 2, "context": 128},
