@@ -72,8 +72,11 @@ async def sleep_until(t: float) -> None:
 def ready_then_start(folder: Path, rank: int) -> float:
     """Say this process is ready (started, met its peers); the instant of the first round, once the
     script has named it."""
+    parent = os.getppid()
     (folder / f"{rank}.ready").touch()
     while not (start := folder / "start").exists():
+        if os.getppid() != parent:
+            raise SystemExit("the bench script that started this process is gone")
         time.sleep(0.01)
     return float(start.read_text())
 

@@ -904,21 +904,21 @@ class Replica:
         (its own too: an owner must not push its own outlier into a range everyone uses). With two
         there is no majority, and this replica trusts its own.
 
-        The band widens with the samples behind a part against the median's: an honest update of a
-        share of a round's steps (a joiner's first) is that much smaller, and its peers' that much
-        larger beside it. (Claiming more samples buys no more than it already does, the weight.)"""
+        The band's low end comes down with the samples behind a part against the reference's: an
+        honest update of a share of a round's steps (a joiner's first) is that much smaller, and
+        claiming fewer samples only lowers a part's weight. Its high end stays: claimed samples are
+        not trusted to let a larger part in."""
         if len(parts) < 2:
             return {}
         norms = {s: float(torch.linalg.vector_norm(u.delta)) if u.norm is None else u.norm for s, u in parts.items()}
         two = len(norms) == 2
         ref = norms[self.me] if two else statistics.median(norms.values())
-        ref_samples = parts[self.me].samples if two else statistics.median(u.samples for u in parts.values())
+        ref_samples = max(1, parts[self.me].samples if two else statistics.median(u.samples for u in parts.values()))
         ratio, out = self.cfg.max_norm_ratio, {}
         for sender, norm in norms.items():
-            scale = parts[sender].samples / ref_samples
-            low, high = ref / ratio * min(1.0, scale), ref * ratio * max(1.0, scale)
-            if not (two and sender == self.me) and ref > 0 and not low <= norm <= high:
-                out[sender] = f"norm {norm:.3g} is far outside its peers' ({ref:.3g}, at {scale:.2g}x the samples)"
+            share = min(1.0, parts[sender].samples / ref_samples)
+            if not (two and sender == self.me) and ref > 0 and not ref / ratio * share <= norm <= ref * ratio:
+                out[sender] = f"norm {norm:.3g} is far outside its peers' ({ref:.3g})"
         return out
 
     # --- versions -----------------------------------------------------------------------------------

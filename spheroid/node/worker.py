@@ -461,14 +461,15 @@ class BlockWorker:
         node trains the share of that round the holder had left, so that its update comes with the
         holder's; else its update goes now. (Trained to the end on the old state, it would come
         after the holder's round had closed without it.)"""
-        n = self._round_steps()
+        started, n = self.step, self._round_steps()
         while n > 0:
             n = min(n, self.cfg.train.steps - self.step)
             self.round_end = self.step + n
             await asyncio.to_thread(self._train_steps, n)
             self.round_end = None
             adopted = self._adopt_pending()
-            n = self._round_steps() if adopted and self.left is not None else 0
+            # (stopped before its first step: a round has one at least, and an update samples)
+            n = self._round_steps() if (adopted and self.left is not None) or self.step == started else 0
         self.left = None
 
     def _round_steps(self) -> int:
