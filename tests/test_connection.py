@@ -14,6 +14,7 @@ from spheroid.node.connection import Connection, PeerGone
 from spheroid.node.node import open_session
 from spheroid.wire import ProtocolError, encode
 from spheroid.wire.messages import Probe, Update
+from spheroid.wire.streams import RAW_CHUNK_BYTES
 
 ME = {"addr": "127.0.0.1:1", "role": "worker", "blocks": [0], "boot": b"12345678"}
 
@@ -31,7 +32,7 @@ async def connected_pair() -> tuple[Connection, Connection, list]:
     return pair[0], pair[1], [a, b]
 
 
-@pytest.mark.parametrize("numel", [0, 1000, (5 << 20) // 8])  # no chunk, one, three (1 MiB each)
+@pytest.mark.parametrize("numel", [0, 1000, (5 << 20) // 4])  # no chunk, one, three (2 MiB each, raw)
 def test_a_tensor_and_the_message_naming_it_arrive_together_and_every_frame_is_counted(numel):
     async def scenario():
         receiver, sender, socks = await connected_pair()
@@ -50,7 +51,7 @@ def test_a_tensor_and_the_message_naming_it_arrive_together_and_every_frame_is_c
 
     x, stream, got, sent, received = asyncio.run(scenario())
     assert got.t == "update" and got.stream == stream and got.round == 3 and torch.equal(got.tensor, x)
-    chunks = -(-numel * 4 // (1 << 20))
+    chunks = -(-numel * 4 // RAW_CHUNK_BYTES)
     for counts, direction in ((sent, "sent"), (received, "received")):
         frames = {kind: c["frames"] for kind, c in counts[direction].items() if kind.startswith(("stream", "update"))}
         assert frames == {"stream_begin": 1, "update": 1, **({"stream_chunk": chunks} if chunks else {})}

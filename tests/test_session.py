@@ -158,7 +158,7 @@ def test_a_message_naming_a_stream_arrives_with_its_tensor():
     a.receive_data(d.data_to_send())
     d.receive_data(a.data_to_send())
     delta = torch.arange(10.0)
-    data = b"".join(out.frame for out in stream_frames(delta, 4, d.next_id, chunk_bytes=16))
+    data = b"".join(out.frame for out in stream_frames(delta, 4, d.next_id, chunk_size=16))
     data += d.send(Update(block=0, round=1, base="ab" * 32, samples=8, lo=0, hi=10, age=0.0, stream=4))
     [message] = [e.message for e in a.receive_data(data) if isinstance(e, Arrived)]
     assert isinstance(message, Update) and torch.equal(message.tensor, delta) and a.streams.held == 0

@@ -150,7 +150,7 @@ def test_lz4_is_used_only_when_it_shrinks():
 def test_large_tensor_streams_in_bounded_chunks(codec):
     t = torch.randn(3, 1000, 1000)
     ids = itertools.count()
-    frames = list(stream_frames(t, 5, lambda: next(ids), codec, "lz4", chunk_bytes=1 << 20))
+    frames = list(stream_frames(t, 5, lambda: next(ids), codec, "lz4", chunk_size=1 << 20))
     assert all(len(out.frame) <= (1 << 20) + 256 for out in frames)
     assert len(frames) == 1 + 12  # 12 MB of float32 in 1 MiB chunks
     decoder, streams = Decoder(), StreamAssembler(budget=t.numel() * 4)
@@ -206,7 +206,7 @@ def test_reading_into_the_decoders_buffer_gives_the_same_messages_as_feeding_it(
     any split of the byte stream between reads gives the same messages."""
     ids = itertools.count()
     frames = b"".join(out.frame for out in stream_frames(torch.randn(300_000), 1, lambda: next(ids),
-                                                          chunk_bytes=1 << 18))
+                                                          chunk_size=1 << 18))
     frames += encode({"t": "ping", "id": 99, "ts": 1.5}) * 3
     expected = [m for m, *_ in Decoder().feed(frames)]
     rng = random.Random(0)
@@ -225,8 +225,8 @@ def test_a_raw_chunks_data_is_read_straight_into_its_streams_tensor():
     usual, and so is a chunk that is not its stream's next or has bad bytes after its data."""
     ids = itertools.count()
     t = torch.randn(300_000)
-    raw = [out.frame for out in stream_frames(t, 1, lambda: next(ids), chunk_bytes=1 << 18)]
-    lossy = [out.frame for out in stream_frames(t, 2, lambda: next(ids), "int8", chunk_bytes=1 << 18)]
+    raw = [out.frame for out in stream_frames(t, 1, lambda: next(ids), chunk_size=1 << 18)]
+    lossy = [out.frame for out in stream_frames(t, 2, lambda: next(ids), "int8", chunk_size=1 << 18)]
     data = b"".join(raw + lossy)
     rng = random.Random(1)
     for _ in range(4):
@@ -240,7 +240,7 @@ def test_a_raw_chunks_data_is_read_straight_into_its_streams_tensor():
                 streams.chunk(received.message)
         assert placed == [(1, True)] * 5 + [(2, False)] * 5 and decoder.buffered == 0
         assert torch.equal(streams.take(1), t)
-        assert torch.equal(streams.take(2), through_codec(t, "int8", chunk_bytes=1 << 18))
+        assert torch.equal(streams.take(2), through_codec(t, "int8", chunk_size=1 << 18))
     streams = StreamAssembler()
     decoder = Decoder(place=streams.destination)
     streams.begin(decoder.feed(raw[0])[0].message)
@@ -276,7 +276,7 @@ def test_a_large_frames_own_buffer_comes_out_of_the_budget_and_goes_back():
 
 def test_stream_over_budget_or_out_of_order_is_refused():
     ids = itertools.count()
-    frames = [out.frame for out in stream_frames(torch.zeros(1000), 1, lambda: next(ids), chunk_bytes=1024)]
+    frames = [out.frame for out in stream_frames(torch.zeros(1000), 1, lambda: next(ids), chunk_size=1024)]
     with pytest.raises(ProtocolError, match="budget"):
         StreamAssembler(budget=100).begin(Decoder().feed(frames[0])[0].message)
     streams, decoder = StreamAssembler(), Decoder()

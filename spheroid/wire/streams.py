@@ -30,7 +30,15 @@ from .tensors import (
     encode_tensor_pieces,
 )
 
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 1 << 20  # a chunk to encode (cast, quantise, compress) at a time, off the event loop
+# a raw chunk has nothing to encode and is read in place: a larger one only saves frames (a
+# block's part of 2 MiB, say, goes in one), and it stays well under the frame limit
+RAW_CHUNK_BYTES = 2 << 20
+
+
+def chunk_bytes(codec: str, compression: str) -> int:
+    """The bytes of tensor data per chunk of a stream in this codec."""
+    return RAW_CHUNK_BYTES if codec == "raw" and compression == "none" else CHUNK_BYTES
 
 
 class Outgoing(NamedTuple):
@@ -57,11 +65,10 @@ class Encoded(NamedTuple):
     chunks: list[tuple[EncodedTensor, int]]  # each chunk's payload, and its bytes before the codec
 
 
-def encode_stream(tensor: torch.Tensor, codec: str = "raw", compression: str = "none",
-                  chunk_bytes: int = CHUNK_BYTES) -> Encoded:
+def encode_stream(tensor: torch.Tensor, codec: str = "raw", compression: str = "none") -> Encoded:
     """Every chunk of `tensor` encoded now (a few milliseconds per MiB for a lossy codec: run it off
     the event loop)."""
-    flat, chunk_elems, _ = _layout(tensor, chunk_bytes)
+    flat, chunk_elems, _ = _layout(tensor, chunk_bytes(codec, compression))
     return Encoded(DTYPE_NAMES[flat.dtype], list(tensor.shape), chunk_elems,
                    list(_chunks(flat, chunk_elems, codec, compression)))
 
@@ -75,19 +82,20 @@ def _chunks(flat: torch.Tensor, chunk_elems: int, codec: str,
 
 def stream_frames(
     tensor: torch.Tensor | Encoded, stream: int, next_id: Callable[[], int], codec: str = "raw",
-    compression: str = "none", chunk_bytes: int = CHUNK_BYTES,
+    compression: str = "none", chunk_size: int | None = None,
 ) -> Iterator[Outgoing]:
     """Frames that carry `tensor` as stream `stream`: a stream_begin, then the chunks in order.
 
     Lazy: each chunk of a tensor is encoded when the iterator reaches it, so a caller can run
     `next()` in a worker thread and keep the event loop free. An `Encoded` tensor carries its own
-    codec and chunking (`codec`, `compression` and `chunk_bytes` are then unused).
+    codec and chunking (`codec`, `compression` and `chunk_size` are then unused). `chunk_size`: bytes
+    of tensor data per chunk (default: `chunk_bytes` of the codec).
     """
     if isinstance(tensor, Encoded):
         dtype, shape, chunk_elems, chunks = tensor.dtype, tensor.shape, tensor.chunk_elems, tensor.chunks
         count = len(chunks)
     else:
-        flat, chunk_elems, count = _layout(tensor, chunk_bytes)
+        flat, chunk_elems, count = _layout(tensor, chunk_size or chunk_bytes(codec, compression))
         chunks = _chunks(flat, chunk_elems, codec, compression)
         dtype, shape = DTYPE_NAMES[flat.dtype], list(tensor.shape)
     begin = encode(StreamBegin(id=next_id(), stream=stream, dtype=dtype, shape=shape, chunks=count,
@@ -99,20 +107,20 @@ def stream_frames(
         yield Outgoing("stream_chunk", frame, raw)
 
 
-def _layout(tensor: torch.Tensor, chunk_bytes: int) -> tuple[torch.Tensor, int, int]:
+def _layout(tensor: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, int, int]:
     """(the flat tensor, elements per chunk, number of chunks) of a stream."""
     flat = tensor.detach().to("cpu").contiguous().view(-1)
-    chunk_elems = max(1, chunk_bytes // flat.element_size())
+    chunk_elems = max(1, chunk_size // flat.element_size())
     return flat, chunk_elems, math.ceil(flat.numel() / chunk_elems)
 
 
 def through_codec(tensor: torch.Tensor, codec: str, compression: str = "none",
-                  chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+                  chunk_size: int | None = None) -> torch.Tensor:
     """What a receiver of `tensor` as a stream gets: every chunk encoded and decoded as on the wire.
 
     A sender averages its own update in this form, so every replica sums identical values.
     """
-    flat, chunk_elems, chunks = _layout(tensor, chunk_bytes)
+    flat, chunk_elems, chunks = _layout(tensor, chunk_size or chunk_bytes(codec, compression))
     pieces = [decode_tensor(encode_tensor(flat[i * chunk_elems : (i + 1) * chunk_elems], codec, compression))
               for i in range(chunks)]
     return torch.cat(pieces).view(tensor.shape) if pieces else flat.clone().view(tensor.shape)
