@@ -44,7 +44,7 @@ class EncodedTensor:
 
     @property
     def size(self) -> int:
-        return sum(len(p) for p in self.pieces)
+        return sum(map(len, self.pieces))
 
 
 def _default(obj: Any) -> Any:
@@ -65,22 +65,24 @@ def encode_pieces(message: dict, max_frame: int = MAX_FRAME) -> list[bytes | mem
     the message keeps its data as a piece of its own, so that the frame is written without copying
     it again (into msgpack's buffer, then behind the length)."""
     packer = msgpack.Packer(default=_default, use_bin_type=True, autoreset=False)  # (one for the frame: cheaper)
+    pack = packer.pack
     pieces, before = [], b""  # before: the current piece's bytes ahead of the packer's
     for key, value in message.items():
-        packer.pack(key)
-        if isinstance(value, EncodedTensor):
+        pack(key)
+        if type(value) is EncodedTensor:
             head, data, tail = value.pieces
             pieces += [before + packer.bytes() + ext_header(EXT_TENSOR, value.size) + head, data]
             packer.reset()
             before = tail
         else:
-            packer.pack(value)
+            pack(value)
     pieces.append(before + packer.bytes())
-    size = len(map_header(len(message))) + sum(len(p) for p in pieces)
+    header = map_header(len(message))
+    size = len(header) + sum(map(len, pieces))
     if size > max_frame:
         raise ValueError(f"{message.get('t')} message of {size} bytes exceeds the frame limit of {max_frame}; "
                          "send large tensors as a stream")
-    pieces[0] = HEADER.pack(size) + map_header(len(message)) + pieces[0]
+    pieces[0] = HEADER.pack(size) + header + pieces[0]
     return pieces
 
 

@@ -94,16 +94,17 @@ MAX_PEER_ENTRIES = 64
 PEER_FIELDS = {"node": "str", "addr": "str", "role": "str", "blocks": "list", "serves": "list?"}
 
 
+# (each check tries the exact type first, as msgpack decodes it: every frame in and out is checked)
 def _is_uint(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return (type(value) is int or isinstance(value, int) and not isinstance(value, bool)) and value >= 0
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return type(value) in (float, int) or isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is(kind: type) -> Callable[[Any], bool]:
-    return lambda value: isinstance(value, kind)
+    return lambda value: type(value) is kind or isinstance(value, kind)
 
 
 CHECKS: dict[str, Callable[[Any], bool]] = {
@@ -166,21 +167,28 @@ class Message:
 
     t: ClassVar[str] = ""
     wire_fields: ClassVar[tuple[str, ...]] = ()  # the fields that go on the wire (not attached tensors)
+    wire_names: ClassVar[frozenset[str]] = frozenset()  # the same, as a set
+    field_names: ClassVar[frozenset[str]] = frozenset()  # every field, attached tensors too
     id: int | None = None
     re: int | None = None
 
     def to_wire(self) -> dict:
         """The map that goes on the wire (optional fields left out when None; attached tensors never)."""
+        values = self.__dict__
         out: dict[str, Any] = {"t": self.t}
         for name in self.wire_fields:
-            value = getattr(self, name)
-            if value is not None:
+            if (value := values[name]) is not None:
                 out[name] = value
         return out
 
     def replace(self, **changes: Any) -> Message:
-        """A copy with some fields changed (messages are frozen)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed (messages are frozen). Without `dataclasses.replace`, which
+        builds the copy through `__init__` field by field: every stream's message is replaced once."""
+        if unknown := changes.keys() - self.field_names:
+            raise TypeError(f"{type(self).__name__} has no field {sorted(unknown)[0]!r}")
+        copy = object.__new__(type(self))
+        copy.__dict__.update(self.__dict__, **changes)
+        return copy
 
 
 def _message_class(kind: str, schema: dict[str, str]) -> type[Message]:
@@ -194,16 +202,19 @@ def _message_class(kind: str, schema: dict[str, str]) -> type[Message]:
     cls = dataclasses.make_dataclass(name, fields, bases=(Message,), frozen=True, kw_only=True,
                                      namespace={"t": kind, "__module__": __name__})
     cls.wire_fields = tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("wire", True))
+    cls.wire_names = frozenset(cls.wire_fields)
+    cls.field_names = frozenset(f.name for f in dataclasses.fields(cls))
     return cls
 
 
 MESSAGES: dict[str, type[Message]] = {kind: _message_class(kind, schema) for kind, schema in SCHEMAS.items()}
 
 
-def from_wire(message: dict) -> Message:
-    """A checked map (`validate`) as its typed message; fields this version does not know are dropped."""
+def from_wire(message: dict, **attached: Any) -> Message:
+    """A checked map (`validate`) as its typed message, with the tensors `attached` (a session
+    attaches the streams the message names); fields this version does not know are dropped."""
     cls = MESSAGES[message["t"]]
-    return cls(**{k: v for k, v in message.items() if k in cls.wire_fields})
+    return cls(**{k: v for k, v in message.items() if k in cls.wire_names}, **attached)
 
 
 # every type by name, for code that builds and matches messages

@@ -280,14 +280,14 @@ class Session:
             return [Frame(kind, size, data.numel() * data.element_size())]
         if kind in ("hello", "auth"):
             raise ProtocolError("unexpected", f"{kind} after the handshake")
-        typed = from_wire(message)
+        attached = {}
         if kind in STREAM_FIELDS:  # the message names streams: hand it over with their tensors
             field, attach = STREAM_FIELDS[kind]
             named = message.get(field)
             if isinstance(named, list):
                 if not all(isinstance(i, int) and not isinstance(i, bool) for i in named):
                     raise ProtocolError("bad_field", f"{kind}: {field} must be stream ids")
-                typed = typed.replace(**{attach: [self.streams.take(i) for i in named]})
+                attached[attach] = [self.streams.take(i) for i in named]
             elif named is not None:
-                typed = typed.replace(**{attach: self.streams.take(named)})
-        return [Arrived(typed, size)]
+                attached[attach] = self.streams.take(named)
+        return [Arrived(from_wire(message, **attached), size)]

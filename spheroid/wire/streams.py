@@ -52,7 +52,7 @@ class Outgoing(NamedTuple):
 
     @property
     def size(self) -> int:
-        return sum(len(p) for p in self.pieces)
+        return sum(map(len, self.pieces))
 
 
 class Encoded(NamedTuple):

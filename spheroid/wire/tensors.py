@@ -195,8 +195,9 @@ def decode_tensor(payload: bytes | memoryview, limits: Limits = DEFAULT_LIMITS) 
 
 def decode_fields(dtype: Any, shape: Any, codec: Any, compression: Any, data: bytes | memoryview, scales: Any,
                   block: Any, limits: Limits = DEFAULT_LIMITS) -> torch.Tensor:
-    """`decode_tensor` of a payload's seven fields (a raw tensor over `data`'s memory)."""
-    if not all(isinstance(f, str) for f in (dtype, codec, compression)):
+    """`decode_tensor` of a payload's seven fields (a raw tensor over `data`'s memory). (The fields are
+    as msgpack decoded them, so of exact types.)"""
+    if not (type(dtype) is str and type(codec) is str and type(compression) is str):
         raise ProtocolError("bad_tensor", "dtype, codec and compression must be strings")
     if dtype not in DTYPES:
         raise ProtocolError("bad_tensor", f"unknown dtype {dtype!r}")
@@ -204,10 +205,10 @@ def decode_fields(dtype: Any, shape: Any, codec: Any, compression: Any, data: by
         raise ProtocolError("bad_tensor", f"unknown codec {codec!r} or compression {compression!r}")
     if codec != "raw" and dtype not in FLOAT_DTYPES:
         raise ProtocolError("bad_tensor", f"codec {codec} is only for floating-point dtypes, not {dtype}")
-    if (not isinstance(shape, list) or len(shape) > limits.max_dims
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+    if (type(shape) is not list or len(shape) > limits.max_dims
+            or not all(type(n) is int and n >= 0 for n in shape)):
         raise ProtocolError("bad_tensor", f"shape must be at most {limits.max_dims} non-negative integers")
-    if not isinstance(scales, bytes) or not isinstance(block, int):
+    if type(scales) is not bytes or type(block) is not int:
         raise ProtocolError("bad_tensor", "scales must be bin, block an integer")
     if codec not in QUANTIZED and (scales or block):
         raise ProtocolError("bad_tensor", f"codec {codec} carries no scales: scales must be empty and block 0")
