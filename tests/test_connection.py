@@ -32,8 +32,10 @@ async def connected_pair() -> tuple[Connection, Connection, list]:
     return pair[0], pair[1], [a, b]
 
 
-@pytest.mark.parametrize("numel", [0, 1000, (5 << 20) // 4])  # no chunk, one, three (2 MiB each, raw)
+@pytest.mark.parametrize("numel", [0, 1000, RAW_CHUNK_BYTES // 4, (5 << 20) // 4])
 def test_a_tensor_and_the_message_naming_it_arrive_together_and_every_frame_is_counted(numel):
+    """Up to a raw chunk's size the tensor travels in the message (one frame, its data read into a
+    tensor of its own); larger, as a stream of chunks (2 MiB each) that the message names."""
     async def scenario():
         receiver, sender, socks = await connected_pair()
         try:
@@ -51,11 +53,14 @@ def test_a_tensor_and_the_message_naming_it_arrive_together_and_every_frame_is_c
 
     x, stream, got, sent, received = asyncio.run(scenario())
     assert got.t == "update" and got.stream == stream and got.round == 3 and torch.equal(got.tensor, x)
+    inline = numel * 4 <= RAW_CHUNK_BYTES
+    assert (stream is None) == inline
+    got.tensor.add_(1)  # (its own memory, writable)
     chunks = -(-numel * 4 // RAW_CHUNK_BYTES)
     for counts, direction in ((sent, "sent"), (received, "received")):
         frames = {kind: c["frames"] for kind, c in counts[direction].items() if kind.startswith(("stream", "update"))}
-        assert frames == {"stream_begin": 1, "update": 1, **({"stream_chunk": chunks} if chunks else {})}
-        assert counts[direction].get("stream_chunk", {"raw_bytes": 0})["raw_bytes"] == numel * 4
+        assert frames == ({"update": 1} if inline else {"stream_begin": 1, "update": 1, "stream_chunk": chunks})
+        assert counts[direction].get("stream_chunk", {"raw_bytes": 0})["raw_bytes"] == (0 if inline else numel * 4)
     assert sent["sent"]["update"]["wire_bytes"] == received["received"]["update"]["wire_bytes"]
 
 

@@ -164,3 +164,37 @@ def test_a_message_naming_a_stream_arrives_with_its_tensor():
     assert isinstance(message, Update) and torch.equal(message.tensor, delta) and a.streams.held == 0
     with pytest.raises(ProtocolError, match="not complete"):  # a stream is handed over once
         a.receive_data(d.send(Probe(streams=[4])))
+
+
+def test_an_update_may_carry_its_tensor_itself_read_into_a_tensor_of_its_own():
+    import torch
+
+    d, a = pair(None, None)
+    a.receive_data(d.data_to_send())
+    d.receive_data(a.data_to_send())
+    delta = torch.randn(1 << 18)  # 1 MiB: read in place, as a socket would deliver it, in pieces
+    message = Update(block=0, round=1, base="ab" * 32, samples=8, lo=0, hi=1 << 18, age=0.0, tensor=delta)
+    data, events = memoryview(d.send(message)), []
+    while data:
+        buffer = a.get_buffer()
+        n = min(len(buffer), len(data), 50_000)
+        buffer[:n] = data[:n]
+        events += a.buffer_updated(n)
+        data = data[n:]
+    [got] = [e.message for e in events if isinstance(e, Arrived)]
+    assert torch.equal(got.tensor, delta) and got.stream is None
+    assert got.tensor.data_ptr() % 64 == 0  # (a tensor of its own, not a view into the frame's bytes)
+    got.tensor.add_(1)  # (writable)
+    # a tensor's place is the message's or a stream's, never both and never neither
+    both = d.send(message.replace(stream=4))
+    with pytest.raises(ProtocolError, match="needs one of stream"):
+        pair_after(both)
+    with pytest.raises(ProtocolError, match="needs one of stream"):
+        pair_after(d.send(message.replace(tensor=None)))
+
+
+def pair_after(frame: bytes) -> list:
+    """What a fresh open session makes of a frame."""
+    d, a = pair(None, None)
+    a.receive_data(d.data_to_send())
+    return a.receive_data(frame)

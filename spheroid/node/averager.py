@@ -69,11 +69,9 @@ class Averager:
 
     async def _broadcast(self, what: Reduced, peers: tuple[str, ...]) -> None:
         """An average to each of `peers`, encoded once for all of them."""
-        if len(peers) == 1:
-            return await self._send(peers[0], what)
-        raw = self.codec == "raw" and self.compression == "none"  # (encoding only copies: no thread)
-        encoded = (encode_stream(what.delta) if raw else
-                   await asyncio.to_thread(encode_stream, what.delta, self.codec, self.compression))
+        raw = self.codec == "raw" and self.compression == "none"  # (nothing to encode: sent from its memory)
+        encoded = None if raw or len(peers) == 1 else await asyncio.to_thread(encode_stream, what.delta, self.codec,
+                                                                               self.compression)
         await asyncio.gather(*(self._send(peer, what, encoded) for peer in peers))
 
     async def _send(self, peer: str, what: Part | Reduced, encoded: Encoded | None = None) -> None:
@@ -83,7 +81,8 @@ class Averager:
         if conn is None:
             return  # gone, or out of reach: its cells will be missing this round, or it will miss this one
         fields = {"block": self.block, "round": what.round, "base": what.base, "samples": what.samples,
-                  "lo": what.lo, "hi": what.hi, "age": what.age, "stream": 0}  # (send_tensor names the stream)
+                  "lo": what.lo, "hi": what.hi, "age": what.age, "stream": 0}  # (send_tensor names the stream, or
+        #                                                                          puts the tensor in the message)
         if isinstance(what, Part):
             message = messages.Update(**fields)
         else:

@@ -22,8 +22,9 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from ..wire import Encoded, Outgoing, ProtocolError, stream_frames
-from ..wire.messages import SCHEMAS, STREAM_FIELDS, Error, Hello, Message
+from ..wire.messages import INLINE, SCHEMAS, STREAM_FIELDS, Error, Hello, Message
 from ..wire.session import Arrived, Frame, Opened, Refused, Session
+from ..wire.streams import RAW_CHUNK_BYTES
 from .accounting import Traffic
 
 log = logging.getLogger(__name__)
@@ -210,12 +211,14 @@ class Connection(asyncio.BufferedProtocol):
         self.said = asyncio.get_running_loop().time()
 
     async def send_tensor(self, tensor: torch.Tensor | Encoded, codec: str = "raw", compression: str = "none",
-                          then: Message | None = None) -> int:
-        """Stream a tensor in chunk frames; returns the stream id. `then`: a message that names the
-        stream (in the field `STREAM_FIELDS` gives for its type, set here), sent right behind it.
+                          then: Message | None = None) -> int | None:
+        """Send a tensor, and `then` a message about it; returns the stream id (None: it went in the
+        message). A raw tensor that fits in a frame goes in `then` itself when its type may carry it
+        (`INLINE`): one frame. Otherwise it is streamed in chunk frames, and `then` names the stream
+        (in the field `STREAM_FIELDS` gives for its type, set here), sent right behind it.
 
         Each chunk is encoded (cast, quantised, compressed) in a worker thread, so the event loop
-        keeps serving other peers while a large tensor goes out; raw chunks are written from the
+        keeps serving other peers while a large tensor goes out; raw data is written from the
         tensor's own memory (so it must not change once sent: senders send tensors they no longer
         write to), and so are the chunks of a tensor already `Encoded`. The stream's announcement
         goes out with its first chunk, and `then` with its last: fewer writes, and the peer wakes
@@ -224,6 +227,12 @@ class Connection(asyncio.BufferedProtocol):
         field = STREAM_FIELDS.get(then.t, ("",))[0] if then is not None else None
         if then is not None and SCHEMAS[then.t].get(field, "").rstrip("?") != "uint":
             raise ValueError(f"a {then.t} message names no single stream")
+        if (then is not None and then.t in INLINE and isinstance(tensor, torch.Tensor) and codec == "raw"
+                and compression == "none" and tensor.numel() * tensor.element_size() <= RAW_CHUNK_BYTES):
+            message = then.replace(**{field: None, INLINE[then.t]: tensor})
+            pieces = self.session.send_pieces(message)
+            await self._write([Outgoing(message.t, pieces, sum(map(len, pieces)))])
+            return None
         stream = next(self._streams)
         frames = stream_frames(tensor, stream, self.next_id, codec, compression)
         inline = isinstance(tensor, Encoded) or (codec == "raw" and compression == "none")

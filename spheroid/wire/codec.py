@@ -26,6 +26,7 @@ from .tensors import (
     decode_fields,
     decode_tensor,
     encode_tensor,
+    encode_tensor_pieces,
     tensor_head,
     tensor_tail,
 )
@@ -61,14 +62,17 @@ def encode(message: dict, max_frame: int = MAX_FRAME) -> bytes:
 
 
 def encode_pieces(message: dict, max_frame: int = MAX_FRAME) -> list[bytes | memoryview]:
-    """One message as one frame, in pieces that join into it. An EncodedTensor at the top level of
-    the message keeps its data as a piece of its own, so that the frame is written without copying
-    it again (into msgpack's buffer, then behind the length)."""
+    """One message as one frame, in pieces that join into it. A tensor (raw) or an EncodedTensor at
+    the top level of the message keeps its data as a piece of its own, so that the frame is written
+    without copying it again (into msgpack's buffer, then behind the length): a raw tensor's data is
+    its own memory, which must not change until the frame is written."""
     packer = msgpack.Packer(default=_default, use_bin_type=True, autoreset=False)  # (one for the frame: cheaper)
     pack = packer.pack
     pieces, before = [], b""  # before: the current piece's bytes ahead of the packer's
     for key, value in message.items():
         pack(key)
+        if type(value) is not EncodedTensor and isinstance(value, torch.Tensor):
+            value = EncodedTensor(encode_tensor_pieces(value))
         if type(value) is EncodedTensor:
             head, data, tail = value.pieces
             pieces += [before + packer.bytes() + ext_header(EXT_TENSOR, value.size) + head, data]
@@ -110,7 +114,7 @@ def ext_header(code: int, n: int) -> bytes:
 def decode_body(body: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME,
                 limits: Limits = DEFAULT_LIMITS) -> dict:
     """One frame body -> a validated message."""
-    message = _stream_chunk(body, limits) if len(body) > HEAD_BYTES else None
+    message = _tensor_last(body, limits) if len(body) > HEAD_BYTES else None
     if message is not None:
         return validate(message)
 
@@ -136,37 +140,41 @@ def decode_body(body: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME
     return validate(message)
 
 
+# a frame's fields before its last, a tensor, fit in this for the tensor to be decoded from the
+# frame's bytes or read into place (a reduced cell's leaf digests, 32 bytes per 64 KiB of it, are
+# among them); a frame whose fields are longer is decoded by msgpack
+FIELDS_BYTES = 1 << 13
 FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}  # msgpack's fixext markers -> data bytes
 EXT_LENGTH = {0xC7: 1, 0xC8: 2, 0xC9: 4}  # ext 8/16/32 markers -> bytes of the length after them
 
 
-def _stream_chunk(body: bytes | bytearray | memoryview, limits: Limits) -> dict | None:
-    """A stream chunk laid out as spheroid writes it, its tensor decoded from the frame's own bytes:
-    msgpack would copy them first, and they are nearly the whole frame. None for any other frame
-    (decoded by msgpack, as any chunk may be)."""
+def _tensor_last(body: bytes | bytearray | memoryview, limits: Limits) -> dict | None:
+    """A message whose last field is a tensor (a stream chunk's data, an inline tensor), the tensor
+    decoded from the frame's own bytes: msgpack would copy them first, and they are nearly the whole
+    frame. None for any other frame (decoded by msgpack, as any such frame may be)."""
     view = memoryview(body)
-    found = _chunk_head(view, len(view))
+    found = _head(view, len(view))
     if found is None:
         return None
-    message, start = found
-    message["data"] = decode_tensor(view[start:], limits)
+    message, key, start = found
+    message[key] = decode_tensor(view[start:], limits)
     return message
 
 
-def _chunk_head(view: memoryview, size: int) -> tuple[dict, int] | None:
-    """From the first bytes of a frame body of `size` bytes, if it is a stream chunk laid out as
-    spheroid writes it (a map whose last entry is `data`, the tensor): its other fields, and where
-    its tensor's payload starts. None for any other frame."""
-    head = msgpack.Unpacker(raw=False, strict_map_key=True, max_str_len=MAX_STR, max_bin_len=0, max_array_len=0,
-                            max_map_len=16, max_ext_len=0)
-    head.feed(view[:HEAD_BYTES])
+def _head(view: memoryview, size: int) -> tuple[dict, str, int] | None:
+    """From the first bytes of a frame body of `size` bytes, if it is a map whose last entry is a
+    tensor (as spheroid writes stream chunks and inline tensors): its other fields, the last one's
+    name, and where its tensor's payload starts. None for any other frame."""
+    head = msgpack.Unpacker(raw=False, strict_map_key=True, max_str_len=MAX_STR, max_bin_len=FIELDS_BYTES,
+                            max_array_len=1 << 8, max_map_len=32, max_ext_len=0)
+    head.feed(view[:FIELDS_BYTES])
     try:
         entries = head.read_map_header()
         message = {head.unpack(): head.unpack() for _ in range(entries - 1)}
         last = head.unpack()
     except Exception:  # (not this layout, or not msgpack: the general decoding says which)
         return None
-    if message.get("t") != "stream_chunk" or last != "data" or (at := head.tell()) >= len(view):
+    if type(message.get("t")) is not str or type(last) is not str or (at := head.tell()) >= len(view):
         return None
     marker = view[at]
     if marker in FIXEXT:
@@ -178,29 +186,32 @@ def _chunk_head(view: memoryview, size: int) -> tuple[dict, int] | None:
         return None
     if start > len(view) or start + length != size or view[start - 1] != EXT_TENSOR:
         return None
-    return message, start
+    return message, last, start
 
 
 class InPlace(NamedTuple):
-    """A stream chunk being read straight into its stream's tensor: what came before its data, and
-    how many bytes of the frame come after it."""
+    """A frame's last field, a raw tensor, being read straight into place (a stream chunk's into its
+    stream's tensor, an inline tensor into one of its own): what came before its data, and how many
+    bytes of the frame come after it."""
 
-    message: dict  # the chunk's fields but `data`
+    message: dict  # the frame's fields but the tensor
+    key: str  # the tensor's field
     fields: list  # its tensor's dtype, shape, codec and compression
     dest: memoryview  # where its data goes
     tail: int  # bytes of the frame after the data (the tensor's scales and block)
     size: int  # the frame body's length
 
 
-# (stream chunk fields, tensor dtype, data bytes) -> where that chunk's data goes, or None
-Placer = Callable[[dict, str, int], memoryview | None]
+# (a frame's fields, its last field's name, that tensor's dtype, its data bytes) -> where the data
+# goes, or None (then the frame is read and decoded as usual)
+Placer = Callable[[dict, str, str, int], memoryview | None]
 
 
 class Received(NamedTuple):
     message: dict
     size: int  # bytes the frame took on the wire, header included
     body: bytes | memoryview  # the frame's body as received (a handshake binds the hellos' exact bytes);
-    #                           empty for a chunk read in place
+    #                           empty for a frame read in place
 
 
 class Budget:
@@ -230,8 +241,10 @@ class Decoder:
     BufferedProtocol). Small frames collect in a scratch buffer; once a frame's header says it is
     larger than `DIRECT` bytes, its body gets a buffer of its own (within the process's `budget`,
     or the frame waits in the scratch buffer as it arrives) and the rest of it is read into place.
-    With a `place` (a session's streams), a raw stream chunk's data is read straight into its place
-    in the stream's tensor, once its first bytes say where that is: the kernel's copy is the only one.
+    With a `place` (a session's), a frame whose last field is a raw tensor (a stream chunk's data,
+    a message's inline tensor) has its data read straight into the place it says, once the frame's
+    first bytes say what it is (into the stream's tensor, or into a tensor of its own): the kernel's
+    copy is the only one.
 
     Messages that were complete before a bad frame are returned first, in order; the error is then
     in `error` and raised by the next call. After an error the decoder is dead: the connection must
@@ -241,8 +254,8 @@ class Decoder:
     ROOM = 1 << 15  # the least room a read is offered in the scratch buffer (allocated at the first read)
     READ = 1 << 16  # the most a read is offered there (what one read can make into messages is bounded)
     DIRECT = 1 << 16  # frames with a larger body are read into a buffer of their own
-    PREFIX = 2 * HEAD_BYTES  # a chunk's fields and its tensor's header fit in this, before the data
-    TAIL = 16  # the most bytes after a raw chunk's data (its scales and block: 3) for it to be read in place
+    PREFIX = FIELDS_BYTES + HEAD_BYTES  # a frame's fields and its tensor's header fit in this, before the data
+    TAIL = 16  # the most bytes after a raw tensor's data (its scales and block: 3) for it to be read in place
 
     def __init__(self, max_frame: int = MAX_FRAME, limits: Limits = DEFAULT_LIMITS,
                  budget: Budget | None = None, place: Placer | None = None) -> None:
@@ -250,7 +263,7 @@ class Decoder:
         self.limits = limits
         self.budget = budget  # a large frame's own buffer is taken from it (or it waits in the scratch buffer)
         self.place = place
-        self._in_place: InPlace | None = None  # a stream chunk whose data is read into its stream's tensor
+        self._in_place: InPlace | None = None  # a frame whose tensor's data is being read into place
         self._scratch = bytearray()  # (it grows while a frame larger than it waits in it, and shrinks after)
         self._start = self._end = 0  # the scratch's bytes [start, end) are received and not yet taken
         self._body: memoryview | None = None  # a large frame's body, read into place
@@ -356,13 +369,13 @@ class Decoder:
             raise
 
     def _read_in_place(self) -> bool:
-        """Whether the frame now starting is a raw stream chunk whose data `place` says where to
-        put: then its fields are taken, its data received so far goes there, and the rest follows."""
+        """Whether the frame now starting ends in a raw tensor whose data `place` says where to put:
+        then its fields are taken, its data received so far goes there, and the rest follows."""
         view = memoryview(self._scratch)[self._start : self._end]
-        found = _chunk_head(view, self._need)
+        found = _head(view, self._need)
         if found is None:
             return False
-        message, start = found
+        message, key, start = found
         try:
             fields, data_start, data_end = tensor_head(view[start:])
         except ProtocolError:  # (decoded as usual, which says what is wrong)
@@ -370,10 +383,10 @@ class Decoder:
         if (fields[2:] != ["raw", "none"] or start + data_start > len(view) or start + data_end > self._need
                 or self._need - start - data_end > self.TAIL):
             return False
-        dest = self.place(message, fields[0], data_end - data_start)
+        dest = self.place(message, key, fields[0], data_end - data_start)
         if dest is None or len(dest) != data_end - data_start:
             return False
-        self._in_place = InPlace(message, fields, dest, self._need - start - data_end, self._need)
+        self._in_place = InPlace(message, key, fields, dest, self._need - start - data_end, self._need)
         self._start += start + data_start
         self._filled = min(self._end - self._start, len(dest))
         dest[: self._filled] = self._scratch[self._start : self._start + self._filled]
@@ -381,7 +394,7 @@ class Decoder:
         return True
 
     def _placed(self) -> Received | None:
-        """The chunk read in place, once its data and the bytes after it are in."""
+        """The frame read in place, once its data and the bytes after it are in."""
         chunk = self._in_place
         if self._filled < len(chunk.dest) or self._end - self._start < chunk.tail:
             return None
@@ -389,7 +402,7 @@ class Decoder:
         self._start += chunk.tail
         self._in_place, self._need = None, None
         tensor = decode_fields(*chunk.fields, chunk.dest, *tensor_tail(tail), self.limits)
-        return Received(validate({**chunk.message, "data": tensor}), HEADER.size + chunk.size, b"")
+        return Received(validate({**chunk.message, chunk.key: tensor}), HEADER.size + chunk.size, b"")
 
     def clear(self) -> None:
         """Drop what is buffered (the connection ended), returning a large frame's buffer to the budget."""

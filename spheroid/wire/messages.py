@@ -20,7 +20,7 @@ import torch
 
 from .errors import ProtocolError
 
-VERSION = 9
+VERSION = 10
 
 # kind of each field; a trailing "?" marks it optional
 SCHEMAS: dict[str, dict[str, str]] = {
@@ -48,14 +48,16 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # averaging same-block updates (spheroid/averaging.py), a butterfly all-reduce: "update" is the
     # part [lo, hi) of the sender's update, for the member that owns that range; "reduced" is an
     # average of parts of a range (a cell's, or in large groups a row's on its way to the cell's
-    # owner); "age" is how long the sender's round had run. The tensor travels first as a stream on
-    # the same connection, then the message that names it
+    # owner); "age" is how long the sender's round had run. The tensor travels in the message
+    # ("tensor", raw, when it fits in a frame) or first as a stream on the same connection, then the
+    # message that names it ("stream"): one of the two
     "version": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "synced": "bool",
                 "joining": "bool?"},
     "update": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
-               "age": "float", "stream": "uint"},
+               "age": "float", "stream": "uint?", "tensor": "tensor?"},
     "reduced": {"block": "uint", "round": "uint", "base": "str", "samples": "uint", "lo": "uint", "hi": "uint",
-                "group": "bin", "members": "bin", "others": "list", "age": "float", "stream": "uint", "leaves": "bin?"},
+                "group": "bin", "members": "bin", "others": "list", "age": "float", "stream": "uint?",
+                "leaves": "bin?", "tensor": "tensor?"},
     # a state transfer; with "since" (the hash of the parameters the requester holds) and "codec",
     # the responder may send the change from them to its parameters instead, in that codec (or a
     # finer one), and says so with "since" in its reply; "members" is the group of the round that
@@ -88,6 +90,9 @@ COMMON = {"t": "str", "id": "uint", "re": "uint?"}
 STREAM_FIELDS = {"update": ("stream", "tensor"), "reduced": ("stream", "tensor"), "state_reply": ("stream", "tensor"),
                  "hop": ("z", "tensor"),
                  "probe": ("streams", "tensors")}
+# the types that may carry their tensor in the message itself, in that field (their schema lists it),
+# instead of naming a stream: the tensor is then the frame's last field, and read into place
+INLINE = {kind: attach for kind, (_, attach) in STREAM_FIELDS.items() if attach in SCHEMAS[kind]}
 
 # a peer entry inside peers_reply, which lists at most this many (a random sample)
 MAX_PEER_ENTRIES = 64
@@ -196,7 +201,7 @@ def _message_class(kind: str, schema: dict[str, str]) -> type[Message]:
     for name, field_kind in schema.items():
         typ = PY_TYPES[field_kind.rstrip("?")]
         fields.append((name, typ | None, dataclasses.field(default=None)) if field_kind.endswith("?") else (name, typ))
-    if kind in STREAM_FIELDS:  # the tensors a receiving session attaches
+    if kind in STREAM_FIELDS and kind not in INLINE:  # the tensors a receiving session attaches
         fields.append((STREAM_FIELDS[kind][1], Any, dataclasses.field(default=None, metadata={"wire": False})))
     name = "".join(part.capitalize() for part in kind.split("_"))
     cls = dataclasses.make_dataclass(name, fields, bases=(Message,), frozen=True, kw_only=True,

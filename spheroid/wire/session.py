@@ -6,7 +6,8 @@ In the manner of h11's `Connection`: nothing here touches a socket. The layer ar
 the events that come back. The session runs the handshake (hellos, then proofs when the swarm has a secret),
 refuses anything else before it is done, checks every message it sends against the schema,
 reassembles tensor streams within a budget shared by the whole process, and hands each message
-that names streams over with their tensors attached.
+that names streams over with their tensors attached (a message that carries its tensor inline has
+it read straight into a tensor of its own).
 
 The handshake of version 2 (proto/PROTOCOL.md, section 6) binds each side's proof to the exact
 bytes of both hellos (so both nonces and both node ids), to the side that makes it (dialler or
@@ -26,10 +27,13 @@ import re
 from dataclasses import dataclass
 from enum import Enum
 
-from .codec import MAX_FRAME, Budget, Decoder, encode
+import torch
+
+from .codec import MAX_FRAME, Budget, Decoder, encode, encode_pieces
 from .errors import ProtocolError
-from .messages import STREAM_FIELDS, VERSION, Auth, Error, Hello, Message, from_wire, validate
+from .messages import INLINE, STREAM_FIELDS, VERSION, Auth, Error, Hello, Message, from_wire, validate
 from .streams import StreamAssembler
+from .tensors import DTYPES
 
 NODE_ID = re.compile(r"[0-9a-f]{32}")  # a node id: 32 lowercase hex digits
 log = logging.getLogger(__name__)
@@ -118,7 +122,7 @@ class Session:
         self.peer: Hello | None = None  # the peer's hello, once received
         self.streams = StreamAssembler(budget)
         # (`frames`: the process's bytes of large frames being read into buffers of their own)
-        self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME, budget=frames, place=self.streams.destination)
+        self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME, budget=frames, place=self._destination)
         self._ids = itertools.count(1)
         self._out = bytearray()
         self.error: ProtocolError | None = None  # what ended the session, once it is raised
@@ -141,15 +145,21 @@ class Session:
 
     def send(self, message: Message) -> bytes:
         """One message as a frame, checked against its schema; an id is assigned if it has none."""
+        return b"".join(self.send_pieces(message))
+
+    def send_pieces(self, message: Message) -> list[bytes | memoryview]:
+        """`send`'s frame in pieces that join into it: an inline tensor's data is a piece of its own
+        (its memory, not a copy: it must not change until the frame is written)."""
         if self.state is not State.OPEN:
             raise ValueError(f"cannot send {message.t} while the session is {self.state.value}")
+        if message.id is None:  # (set as a field, not added to the map: an inline tensor stays its last field)
+            message = message.replace(id=self.next_id())
         wire = message.to_wire()
-        wire.setdefault("id", self.next_id())
         try:
             validate(wire)
         except ProtocolError as exc:  # our own bug, not the peer's: say so
             raise ValueError(f"refusing to send an invalid message: {exc.message}") from None
-        return encode(wire)
+        return encode_pieces(wire)
 
     def clear(self) -> None:
         """Drop every stream and frame not yet complete (the connection ended): their bytes return to
@@ -269,6 +279,14 @@ class Session:
         self._decoder.max_frame = MAX_FRAME
         return [Opened(self.peer)]
 
+    def _destination(self, msg: dict, key: str, dtype: str, nbytes: int) -> memoryview | None:
+        """Where the raw tensor that ends a frame is read, as it arrives: a stream chunk's data into
+        its place in its stream's tensor, a message's inline tensor into a tensor of its own (handed
+        over with the message). None: anywhere else (the frame is then decoded as usual)."""
+        if self.state is State.OPEN and INLINE.get(msg.get("t")) == key and dtype in DTYPES:  # (nbytes: in a frame)
+            return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
+        return self.streams.destination(msg, key, dtype, nbytes)
+
     def _handle_open(self, message: dict, size: int) -> list[Event]:
         kind = message["t"]
         if kind == "stream_begin":
@@ -284,6 +302,9 @@ class Session:
         if kind in STREAM_FIELDS:  # the message names streams: hand it over with their tensors
             field, attach = STREAM_FIELDS[kind]
             named = message.get(field)
+            if kind in INLINE and (named is None) == (attach not in message):
+                raise ProtocolError("bad_field", f"{kind}: needs one of {field} (naming a stream) and {attach} "
+                                                 "(the tensor itself)")
             if isinstance(named, list):
                 if not all(isinstance(i, int) and not isinstance(i, bool) for i in named):
                     raise ProtocolError("bad_field", f"{kind}: {field} must be stream ids")

@@ -168,9 +168,12 @@ class StreamAssembler:
         else:
             self._partial[stream] = part
 
-    def destination(self, msg: dict, dtype: str, nbytes: int) -> memoryview | None:
-        """Where a chunk's data may be read straight into: its place in its stream's tensor, if it is
-        the stream's next chunk, of its dtype and size (any other is decoded, and refused, as usual)."""
+    def destination(self, msg: dict, key: str, dtype: str, nbytes: int) -> memoryview | None:
+        """Where a chunk's data may be read straight into (a decoder's `Placer`): its place in its
+        stream's tensor, if it is the stream's next chunk, of its dtype and size (any other frame is
+        decoded, and a bad chunk refused, as usual)."""
+        if msg.get("t") != "stream_chunk" or key != "data":
+            return None
         stream, seq = msg.get("stream"), msg.get("seq")
         part = self._partial.get(stream) if type(stream) is int else None  # (not a bool, which validate refuses)
         if part is None or type(seq) is not int or seq != part.next_seq or dtype != DTYPE_NAMES[part.out.dtype]:
