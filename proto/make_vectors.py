@@ -118,6 +118,8 @@ VALID = {
                 "synced": True},
     "update": {"t": "update", "id": 22, "block": 2, "round": 7, "base": "ab" * 32, "samples": 256, "lo": 0,
                "hi": 4096, "age": 0.0, "stream": 5},
+    "update_inline": {"t": "update", "id": 38, "block": 2, "round": 7, "base": "ab" * 32, "samples": 256, "lo": 4,
+                      "hi": 8, "age": 0.5, "tensor": tensor_json([0.5, -1.0, 2.0, 0.0], [4])},  # (the tensor last)
     "reduced": {"t": "reduced", "id": 37, "block": 2, "round": 7, "base": "ab" * 32, "samples": 512, "lo": 16384,
                 "hi": 49152, "group": {"$bin": group_digest(["0f" * 16, "1e" * 16, "2d" * 16]).hex()},
                 "members": {"$bin": "05"}, "others": ["3c" * 16], "age": 1.25, "stream": 7,
@@ -155,6 +157,7 @@ INVALID = {
     "unknown_extension": (None, "unknown_ext"),
     "tensor_size_mismatch": (None, "bad_tensor"),
     "int2_signs_missing": (None, "bad_tensor"),
+    "update_stream_and_tensor": (None, "bad_field"),
 }
 
 
@@ -176,6 +179,11 @@ def invalid_frames() -> dict[str, tuple[str, str]]:
     bad = msgpack.packb(["float32", [8], "int2", "none", b"\x16", b"\x20\x40", 256])
     out["int2_signs_missing"] = (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
                                                       "data": msgpack.ExtType(1, bad)})), "bad_tensor")
+    # an update names a stream or carries its tensor, not both
+    tensor = msgpack.ExtType(1, msgpack.packb(["float32", [1], "raw", "none", b"\x00" * 4, b"", 0]))
+    out["update_stream_and_tensor"] = (frame(msgpack.packb({"t": "update", "id": 1, "block": 0, "round": 0,
+                                                            "base": "ab", "samples": 1, "lo": 0, "hi": 1, "age": 0.0,
+                                                            "stream": 3, "tensor": tensor})), "bad_field")
     return out
 
 

@@ -185,12 +185,17 @@ def test_an_update_may_carry_its_tensor_itself_read_into_a_tensor_of_its_own():
     assert torch.equal(got.tensor, delta) and got.stream is None
     assert got.tensor.data_ptr() % 64 == 0  # (a tensor of its own, not a view into the frame's bytes)
     got.tensor.add_(1)  # (writable)
-    # a tensor's place is the message's or a stream's, never both and never neither
-    both = d.send(message.replace(stream=4))
-    with pytest.raises(ProtocolError, match="needs one of stream"):
-        pair_after(both)
-    with pytest.raises(ProtocolError, match="needs one of stream"):
-        pair_after(d.send(message.replace(tensor=None)))
+    # a small one comes through the frame's bytes, and is a tensor of its own too
+    [small] = [e.message for e in a.receive_data(d.send(message.replace(tensor=delta[:10], hi=10)))]
+    assert torch.equal(small.tensor, delta[:10])
+    small.tensor.add_(1)
+    # a tensor's place is the message's or a stream's, never both and never neither: refused on
+    # both sides
+    for wrong in (message.replace(stream=4), message.replace(tensor=None)):
+        with pytest.raises(ValueError, match="needs one of stream"):
+            d.send(wrong)
+        with pytest.raises(ProtocolError, match="needs one of stream"):
+            pair_after(encode({**wrong.to_wire(), "id": 9}))
 
 
 def pair_after(frame: bytes) -> list:
@@ -198,3 +203,32 @@ def pair_after(frame: bytes) -> list:
     d, a = pair(None, None)
     a.receive_data(d.data_to_send())
     return a.receive_data(frame)
+
+
+def test_an_inline_tensor_read_into_place_counts_among_the_frames_in_flight():
+    import torch
+
+    from spheroid.wire.codec import Budget
+
+    def session(frames: Budget) -> tuple[Session, Session]:
+        d, a = Session(me(), dialler=True, swarm="s", secret=None), Session(me(), dialler=False, swarm="s",
+                                                                               secret=None, frames=frames)
+        a.receive_data(d.data_to_send())
+        d.receive_data(a.data_to_send())
+        return d, a
+
+    delta = torch.randn(1 << 18)  # 1 MiB
+    message = Update(block=0, round=1, base="ab" * 32, samples=8, lo=0, hi=1 << 18, age=0.0, tensor=delta)
+    for limit in (8 << 20, (1 << 20) - 1):  # room for it; no room (it waits in the scratch buffer, as any frame)
+        frames = Budget(limit)
+        d, a = session(frames)
+        data = d.send(message)
+        a.receive_data(data[: len(data) // 2])
+        assert frames.held == (len(delta) * 4 if limit >= len(delta) * 4 else 0)
+        [got] = [e.message for e in a.receive_data(data[len(data) // 2 :])]
+        assert torch.equal(got.tensor, delta) and frames.held == 0
+    d, a = session(frames := Budget(8 << 20))  # a connection that ends mid-frame gives it back
+    a.receive_data(d.send(message)[: 1 << 19])
+    assert frames.held > 0
+    a.clear()
+    assert frames.held == 0

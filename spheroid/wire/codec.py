@@ -17,7 +17,7 @@ import msgpack
 import torch
 
 from .errors import ProtocolError
-from .messages import validate
+from .messages import INLINE, validate
 from .tensors import (
     DEFAULT_LIMITS,
     EXT_TENSOR,
@@ -32,7 +32,7 @@ from .tensors import (
 )
 
 HEADER = struct.Struct(">I")
-MAX_FRAME = 4 << 20  # 4 MiB: a stream chunk (up to 1 MiB of tensor data) fits with room to spare
+MAX_FRAME = 4 << 20  # 4 MiB: a stream chunk or an inline tensor (up to 2 MiB of data) fits with room to spare
 MAX_STR = 1 << 16
 
 
@@ -144,6 +144,7 @@ def decode_body(body: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME
 # frame's bytes or read into place (a reduced cell's leaf digests, 32 bytes per 64 KiB of it, are
 # among them); a frame whose fields are longer is decoded by msgpack
 FIELDS_BYTES = 1 << 13
+TENSOR_LAST = {"stream_chunk", *INLINE}  # the types whose frames may end in a tensor
 FIXEXT = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}  # msgpack's fixext markers -> data bytes
 EXT_LENGTH = {0xC7: 1, 0xC8: 2, 0xC9: 4}  # ext 8/16/32 markers -> bytes of the length after them
 
@@ -170,11 +171,14 @@ def _head(view: memoryview, size: int) -> tuple[dict, str, int] | None:
     head.feed(view[:FIELDS_BYTES])
     try:
         entries = head.read_map_header()
-        message = {head.unpack(): head.unpack() for _ in range(entries - 1)}
+        first = head.unpack(), head.unpack()  # (spheroid writes the type first)
+        if first[0] != "t" or first[1] not in TENSOR_LAST:
+            return None
+        message = dict([first] + [(head.unpack(), head.unpack()) for _ in range(entries - 2)])
         last = head.unpack()
     except Exception:  # (not this layout, or not msgpack: the general decoding says which)
         return None
-    if type(message.get("t")) is not str or type(last) is not str or (at := head.tell()) >= len(view):
+    if type(last) is not str or (at := head.tell()) >= len(view):
         return None
     marker = view[at]
     if marker in FIXEXT:

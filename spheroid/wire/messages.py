@@ -147,6 +147,9 @@ def validate(message: Any) -> dict:
         if not check(message[name]):
             raise ProtocolError("bad_field", f"{kind}: field {name!r} must be {field_kind}, "
                                              f"got {type(message[name]).__name__}")
+    if kind in INLINE and (STREAM_FIELDS[kind][0] in message) == (INLINE[kind] in message):
+        raise ProtocolError("bad_field", f"{kind}: needs one of {STREAM_FIELDS[kind][0]} (naming a stream) and "
+                                         f"{INLINE[kind]} (the tensor itself)")
     return message
 
 

@@ -121,7 +121,10 @@ class Session:
         self.state = State.HELLO
         self.peer: Hello | None = None  # the peer's hello, once received
         self.streams = StreamAssembler(budget)
-        # (`frames`: the process's bytes of large frames being read into buffers of their own)
+        # (`frames`: the process's bytes of large frames being read into buffers of their own, inline
+        # tensors read into place among them)
+        self.frames = frames
+        self._placing = 0  # bytes of `frames` held by the inline tensor being read into place
         self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME, budget=frames, place=self._destination)
         self._ids = itertools.count(1)
         self._out = bytearray()
@@ -167,6 +170,7 @@ class Session:
         self.state = State.CLOSED
         self.streams.clear()
         self._decoder.clear()
+        self._placed()
 
     def refuse(self, error: ProtocolError) -> bytes:
         """The error frame that tells the peer why we close; the session is closed."""
@@ -205,6 +209,8 @@ class Session:
         events: list[Event] = []
         try:
             while self.state is not State.CLOSED and (received := self._decoder.next_message()) is not None:
+                if self._placing and not received.body:  # (frames read into place have no body)
+                    self._placed()
                 events += self._handle(received.message, received.size, received.body)
         except ProtocolError as exc:
             self.error = exc
@@ -220,7 +226,7 @@ class Session:
     def _handle(self, message: dict, size: int, body: bytes) -> list[Event]:
         kind = message["t"]
         if self.state is State.OPEN:
-            return self._handle_open(message, size)
+            return self._handle_open(message, size, placed=not body)
         if kind == "error":
             self.state = State.CLOSED
             return [Refused(message["code"], message["message"])]
@@ -283,11 +289,21 @@ class Session:
         """Where the raw tensor that ends a frame is read, as it arrives: a stream chunk's data into
         its place in its stream's tensor, a message's inline tensor into a tensor of its own (handed
         over with the message). None: anywhere else (the frame is then decoded as usual)."""
-        if self.state is State.OPEN and INLINE.get(msg.get("t")) == key and dtype in DTYPES:  # (nbytes: in a frame)
+        if self.state is State.OPEN and INLINE.get(msg.get("t")) == key and type(dtype) is str and dtype in DTYPES:
+            if self.frames is not None and not self.frames.reserve(nbytes):
+                return None  # (the process's frames in flight are at their limit)
+            self._placing = nbytes  # (within a frame: at most max_frame)
             return memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy())
         return self.streams.destination(msg, key, dtype, nbytes)
 
-    def _handle_open(self, message: dict, size: int) -> list[Event]:
+    def _placed(self) -> None:
+        """The inline tensor being read into place is in (or the session ended): its bytes leave the
+        frames in flight (it is the message's now)."""
+        if self.frames is not None:
+            self.frames.release(self._placing)
+        self._placing = 0
+
+    def _handle_open(self, message: dict, size: int, placed: bool) -> list[Event]:
         kind = message["t"]
         if kind == "stream_begin":
             self.streams.begin(message)
@@ -302,9 +318,8 @@ class Session:
         if kind in STREAM_FIELDS:  # the message names streams: hand it over with their tensors
             field, attach = STREAM_FIELDS[kind]
             named = message.get(field)
-            if kind in INLINE and (named is None) == (attach not in message):
-                raise ProtocolError("bad_field", f"{kind}: needs one of {field} (naming a stream) and {attach} "
-                                                 "(the tensor itself)")
+            if kind in INLINE and attach in message and not placed:  # (a view of the frame's bytes: one of its own)
+                message[attach] = message[attach].clone()
             if isinstance(named, list):
                 if not all(isinstance(i, int) and not isinstance(i, bool) for i in named):
                     raise ProtocolError("bad_field", f"{kind}: {field} must be stream ids")
