@@ -20,7 +20,13 @@ interface (/proc/net/dev, "lo") during the timed rounds, divided by N, the same 
 for spheroid, the nodes' own counters of wire bytes sent. Nothing else should use loopback while
 this runs. The ratio columns put spheroid against gloo, measured in the same run.
 
-    python bench/averaging.py [--procs 2,4,8] [--params 4194304] [--rounds 5] [--out FILE]
+With --repeats K, each N runs K pairs of the two systems back to back, the order alternating
+(gloo first, then spheroid first, ...), so that a machine that slows down or speeds up over
+minutes weighs on both alike. Each pair gives a ratio; the table gives their median and range,
+and each system's median time and CPU over its K runs. On a shared machine with fewer cores than
+processes the ratio of one pair moves by a tenth or more from run to run: one pair is one sample.
+
+    python bench/averaging.py [--procs 2,4,8] [--params 4194304] [--rounds 5] [--repeats 1] [--out FILE]
 """
 
 from __future__ import annotations
@@ -209,11 +215,35 @@ def run(kind: str, n: int, params: int, rounds: int, interval: float, setup_s: f
     return row
 
 
+def summary(rows: list[dict], n: int, tensor_bytes: int) -> dict:
+    """One process count's line of the table, from its pairs of runs."""
+    runs = {kind: [r for r in rows if r["procs"] == n and r["system"] == kind] for kind in ("gloo", "spheroid")}
+    ratios = [ours["round_s"] / gloo["round_s"] for gloo, ours in zip(runs["gloo"], runs["spheroid"], strict=True)]
+
+    def median(kind: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[kind])
+
+    return {"procs": n, "pairs": len(ratios), "gloo_round_s": median("gloo", "round_s"),
+            "spheroid_round_s": median("spheroid", "round_s"),
+            "time_ratio": statistics.median(ratios), "time_ratio_min": min(ratios), "time_ratio_max": max(ratios),
+            "time_ratios": ratios,
+            "gloo_cpu_s_per_node": median("gloo", "cpu_s_per_node"),
+            "spheroid_cpu_s_per_node": median("spheroid", "cpu_s_per_node"),
+            "gloo_bytes_per_node": median("gloo", "loopback_bytes_per_node"),
+            "spheroid_bytes_per_node": median("spheroid", "loopback_bytes_per_node"),
+            "spheroid_bytes_over_tensor": median("spheroid", "loopback_bytes_per_node") / tensor_bytes,
+            "gloo_bytes_over_tensor": median("gloo", "loopback_bytes_per_node") / tensor_bytes,
+            "agree": all(r["agree"] for r in runs["spheroid"]),
+            "complete": all(r["complete"] for r in runs["spheroid"])}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--procs", default="2,4,8", help="process counts, comma-separated")
     parser.add_argument("--params", type=int, default=1 << 22, help="float32 values averaged (default 16 MiB)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="pairs of runs (gloo, spheroid) per process count, in alternating order")
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between round starts")
     parser.add_argument("--setup-s", type=float, default=120.0,
                         help="the longest to wait for the processes to start and meet")
@@ -233,36 +263,32 @@ def main(argv: list[str] | None = None) -> dict:
         a.member_out.write_text(json.dumps(result))
         return result
 
+    if a.repeats < 1:
+        parser.error("--repeats must be at least 1")
     rows = []
     for n in [int(x) for x in a.procs.split(",")]:
-        for kind in ("gloo", "spheroid"):
-            log.info("%s, %d processes, %d values, %d rounds", kind, n, a.params, a.rounds)
-            rows.append(run(kind, n, a.params, a.rounds, a.interval, a.setup_s))
+        for k in range(a.repeats):
+            for kind in ("gloo", "spheroid") if k % 2 == 0 else ("spheroid", "gloo"):
+                log.info("%s, %d processes, %d values, %d rounds (pair %d of %d)", kind, n, a.params, a.rounds,
+                         k + 1, a.repeats)
+                rows.append({**run(kind, n, a.params, a.rounds, a.interval, a.setup_s), "pair": k})
     tensor_bytes = 4 * a.params
-    table = []
-    for n in sorted({r["procs"] for r in rows}):
-        gloo = next(r for r in rows if r["procs"] == n and r["system"] == "gloo")
-        ours = next(r for r in rows if r["procs"] == n and r["system"] == "spheroid")
-        table.append({"procs": n, "gloo_round_s": gloo["round_s"], "spheroid_round_s": ours["round_s"],
-                      "time_ratio": ours["round_s"] / gloo["round_s"],
-                      "gloo_cpu_s_per_node": gloo["cpu_s_per_node"], "spheroid_cpu_s_per_node": ours["cpu_s_per_node"],
-                      "gloo_bytes_per_node": gloo["loopback_bytes_per_node"],
-                      "spheroid_bytes_per_node": ours["loopback_bytes_per_node"],
-                      "spheroid_bytes_over_tensor": ours["loopback_bytes_per_node"] / tensor_bytes,
-                      "gloo_bytes_over_tensor": gloo["loopback_bytes_per_node"] / tensor_bytes,
-                      "agree": ours["agree"], "complete": ours["complete"]})
-    result = {"params": a.params, "tensor_bytes": tensor_bytes, "rounds": a.rounds, "table": table, "runs": rows,
+    table = [summary(rows, n, tensor_bytes) for n in sorted({r["procs"] for r in rows})]
+    result = {"params": a.params, "tensor_bytes": tensor_bytes, "rounds": a.rounds, "repeats": a.repeats,
+              "table": table, "runs": rows,
               "cpus": os.cpu_count(), "torch": torch.__version__}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
-    print(f"\none averaging round of {tensor_bytes / 2**20:.0f} MiB (float32), median of {a.rounds}; bytes sent "
-          f"per node on loopback, as a multiple of the tensor; cpu: "
-          f"seconds of CPU per node per round")
-    print(f"{'procs':>5} | {'gloo s':>7} | {'spheroid s':>10} | {'ratio':>5} | {'gloo cpu':>8} | "
+    print(f"\none averaging round of {tensor_bytes / 2**20:.0f} MiB (float32), median of {a.rounds}; "
+          f"{a.repeats} pair(s) of runs: times and CPU are each system's median over them, the ratio the median of "
+          f"the pairs' ratios [their range]; bytes sent per node on loopback, as a multiple of the tensor; "
+          f"cpu: seconds of CPU per node per round")
+    print(f"{'procs':>5} | {'gloo s':>7} | {'spheroid s':>10} | {'ratio':>5} {'[range]':>11} | {'gloo cpu':>8} | "
           f"{'spheroid cpu':>12} | {'gloo x':>6} | {'spheroid x':>10} | replicas agree")
     for t in table:
+        spread = f"[{t['time_ratio_min']:.2f}-{t['time_ratio_max']:.2f}]"
         print(f"{t['procs']:>5} | {t['gloo_round_s']:>7.3f} | {t['spheroid_round_s']:>10.3f} | {t['time_ratio']:>5.2f} "
-              f"| {t['gloo_cpu_s_per_node']:>8.3f} | {t['spheroid_cpu_s_per_node']:>12.3f} "
+              f"{spread:>11} | {t['gloo_cpu_s_per_node']:>8.3f} | {t['spheroid_cpu_s_per_node']:>12.3f} "
               f"| {t['gloo_bytes_over_tensor']:>6.2f} | {t['spheroid_bytes_over_tensor']:>10.2f} | "
               f"{'yes' if t['agree'] and t['complete'] else 'NO'}")
     print(f"\nJSON: {a.out}")

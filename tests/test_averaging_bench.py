@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from averaging import summary  # noqa: E402
 
 
 def test_averaging_bench_runs_both_systems_and_a_butterfly_round_sends_two_vectors(tmp_path):
@@ -24,3 +27,22 @@ def test_averaging_bench_runs_both_systems_and_a_butterfly_round_sends_two_vecto
     # 2 (n - 1) / n of the tensor, plus framing and the odd ping: by the nodes' own counters
     assert 4 / 3 <= ours["node_bytes_per_node"] / result["tensor_bytes"] < 4 / 3 * 1.05
     assert "replicas agree" in proc.stdout
+
+
+def run_row(system: str, round_s: float, pair: int, **extra) -> dict:
+    return {"system": system, "procs": 8, "round_s": round_s, "cpu_s_per_node": round_s / 4,
+            "loopback_bytes_per_node": 7.0, "pair": pair, **extra}
+
+
+def test_repeated_pairs_give_the_median_of_their_ratios_and_their_range():
+    ok = {"agree": True, "complete": True}
+    # the second pair ran spheroid first (the order alternates): pairs are matched by their order
+    rows = [run_row("gloo", 0.10, 0), run_row("spheroid", 0.15, 0, **ok),
+            run_row("spheroid", 0.12, 1, **ok), run_row("gloo", 0.10, 1),
+            run_row("gloo", 0.08, 2), run_row("spheroid", 0.14, 2, agree=True, complete=False)]
+    row = summary(rows, 8, tensor_bytes=4)
+    assert row["pairs"] == 3 and row["time_ratios"] == [0.15 / 0.10, 0.12 / 0.10, 0.14 / 0.08]
+    assert row["time_ratio"] == 0.15 / 0.10 and row["time_ratio_min"] == 0.12 / 0.10
+    assert row["time_ratio_max"] == 0.14 / 0.08
+    assert row["gloo_round_s"] == 0.10 and row["spheroid_round_s"] == 0.14
+    assert row["spheroid_bytes_over_tensor"] == 7.0 / 4 and row["agree"] and not row["complete"]
