@@ -255,6 +255,33 @@ def test_a_raw_chunks_data_is_read_straight_into_its_streams_tensor():
             decoder.feed(bad)
 
 
+def test_a_chunk_whose_data_length_lies_is_never_read_into_place():
+    """The data length inside a raw chunk's tensor is the peer's word: one that runs past the frame
+    (or leaves more bytes after the data than a tensor's last fields take) must not decide where
+    bytes are written. Such a frame is decoded as usual, which refuses it; the placer is never asked,
+    whatever the split of reads."""
+    [_, out] = stream_frames(torch.randn(70_000, generator=torch.Generator().manual_seed(0)), 3, lambda: 9)
+    frame = out.frame
+    length = (70_000 * 4).to_bytes(4, "big")
+    at = frame.index(b"\xc6" + length) + 1  # the data's bin32 length
+    asked = []
+
+    def place(message: dict, key: str, dtype: str, nbytes: int) -> memoryview:
+        asked.append(nbytes)
+        return memoryview(bytearray(nbytes))
+
+    # (too short: its last 64 bytes and its scales and block are read as the scales and block)
+    for claimed, error in ((70_000 * 4 + 8, "runs past its payload"), (70_000 * 4 - 64, "scales and block")):
+        lying = frame[:at] + claimed.to_bytes(4, "big") + frame[at + 4 :]
+        for seed in range(3):
+            decoder = Decoder(place=place)
+            with pytest.raises(ProtocolError, match=error):
+                list(read_in_pieces(decoder, lying, random.Random(seed)))
+    assert asked == []
+    assert [r.message["seq"] for r in read_in_pieces(Decoder(place=place), frame, random.Random(0))] == [0]
+    assert asked == [70_000 * 4]  # (the honest chunk, for contrast)
+
+
 def test_a_large_frames_own_buffer_comes_out_of_the_budget_and_goes_back():
     """A large frame's body buffer is reserved from the process's budget once its header is in, and
     returned when the frame is decoded or dropped; without room in the budget the frame still
