@@ -255,6 +255,26 @@ def test_a_raw_chunks_data_is_read_straight_into_its_streams_tensor():
             decoder.feed(bad)
 
 
+def test_a_quantized_codec_packs_with_its_own_packer_only(monkeypatch):
+    """int8 needs no packing and int4 no ternary code: encoding with one never runs another codec's
+    packer (an eager table of all three once made int8 encoding several times slower)."""
+    from spheroid.wire import tensors
+
+    t = torch.randn(10_000)
+
+    def refuse(*args):
+        raise AssertionError("another codec's packer ran")
+
+    int4_pack = tensors.pack
+    monkeypatch.setattr(tensors, "ternary_pack", refuse)
+    monkeypatch.setattr(tensors, "pack", refuse)
+    back = decode_tensor(encode_tensor(t, "int8"))
+    assert (back - t).abs().max() <= INT8_ERROR * t.abs().max() * 1.001
+    monkeypatch.setattr(tensors, "pack", int4_pack)
+    back = decode_tensor(encode_tensor(t, "int4"))
+    assert (back - t).abs().max() <= INT4_ERROR * t.abs().max() * 1.001
+
+
 def test_a_chunk_whose_data_length_lies_is_never_read_into_place():
     """The data length inside a raw chunk's tensor is the peer's word: one that runs past the frame
     (or leaves more bytes after the data than a tensor's last fields take) must not decide where

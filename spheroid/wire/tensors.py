@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +110,7 @@ def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: 
     else:
         block = BLOCK[codec]
         q, s = quantize(flat.float(), block, codec)
-        packed = {"int8": q, "int4": pack(q, 4), "int2": ternary_pack(q)}[codec]
+        packed = PACKERS[codec](q)
         data, scales = as_view(packed), as_bytes(s.to(SCALE_DTYPE[codec]))
     if compression == "lz4":
         packed = lz4.block.compress(data, store_size=False)
@@ -238,8 +239,7 @@ def decode_fields(dtype: Any, shape: Any, codec: Any, compression: Any, data: by
             raise ProtocolError("bad_tensor", f"{codec} needs 0 < block <= {most} and "
                                               f"{max(n_scales, 0)} {DTYPE_NAMES[scale_type]} scales")
         raw = from_bytes(data, torch.int8 if codec == "int8" else torch.uint8)
-        q = {"int8": lambda: raw, "int4": lambda: unpack(raw, numel, 4),
-             "int2": lambda: ternary_unpack(raw, numel)}[codec]()
+        q = UNPACKERS[codec](raw, numel)
         flat = dequantize(q, from_bytes(scales, scale_type).float(), block).to(DTYPES[dtype])
     return flat.view(shape)
 
@@ -309,6 +309,14 @@ def ternary_unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     q = nonzero.to(torch.int8)
     q[nonzero] = torch.where(negative, -1, 1).to(torch.int8)
     return q
+
+
+# each quantized codec's integers as they travel, and back (only the codec's own is computed: int2's
+# packing alone costs several times int8's whole encoding)
+PACKERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "int8": lambda q: q, "int4": lambda q: pack(q, 4), "int2": lambda q: ternary_pack(q)}
+UNPACKERS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    "int8": lambda raw, n: raw, "int4": lambda raw, n: unpack(raw, n, 4), "int2": ternary_unpack}
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
