@@ -11,19 +11,21 @@ For each N in --procs it runs N processes twice, on 127.0.0.1, with the same ten
             division by N (the average)
 
 Once every process has started and met its peers, this script names a wall-clock instant;
-every round starts at such an instant in all processes (each waits for it), after one untimed
-warm-up round. The time of a round is from that instant to the last process's end; the
-table gives the median over --rounds. CPU: each process's CPU time (all its threads) spent in the
-timed rounds' averaging, per round: on a machine with fewer cores than processes it is what the
-round's time is made of. Bytes sent per node: what the kernel counted on the loopback
-interface (/proc/net/dev, "lo") during the timed rounds, divided by N, the same count for both; and
-for spheroid, the nodes' own counters of wire bytes sent. Nothing else should use loopback while
-this runs. The ratio columns put spheroid against gloo, measured in the same run.
+every round starts at such an instant in all processes (each waits for it), after two untimed
+warm-up rounds (after one, the first timed round at 8 processes took about three times as long as
+the others, 0.49 to 0.57 s against 0.16, in all three runs of a day). The time of a round is from
+that instant to the last process's end; the table gives the median over --rounds. CPU: each
+process's CPU time (all its threads) spent in the timed rounds' averaging, per round: on a machine
+with fewer cores than processes it is what the round's time is made of. Bytes sent per node: what
+the kernel counted on the loopback interface (/proc/net/dev, "lo") during the timed rounds,
+divided by N, the same count for both; and for spheroid, the nodes' own counters of wire bytes
+sent. Nothing else should use loopback while this runs. The ratio columns put spheroid against
+gloo, measured in the same run.
 
 With --repeats K, each N runs K pairs of the two systems back to back, the order alternating
-(gloo first, then spheroid first, ...), so that a machine that slows down or speeds up over
-minutes weighs on both alike. Each pair gives a ratio; the table gives their median and range,
-and each system's median time and CPU over its K runs. On a shared machine with fewer cores than
+(gloo first, then spheroid first, ...; an even K balances the order), so that a machine that slows
+down or speeds up over minutes weighs on both alike. Each pair gives a ratio; the table gives their
+median and range, and each system's median time and CPU over its K runs. On a shared machine with fewer cores than
 processes the ratio of one pair moves by a tenth or more from run to run: one pair is one sample.
 
     python bench/averaging.py [--procs 2,4,8] [--params 4194304] [--rounds 5] [--repeats 1] [--out FILE]
@@ -66,13 +68,16 @@ def loopback_tx_bytes() -> int:
     raise RuntimeError("no loopback interface in /proc/net/dev")
 
 
-def updates(rank: int, rounds: int, params: int) -> list[torch.Tensor]:
-    """The updates a process contributes to its rounds, the warm-up's first: the same in both
+WARMUP = 2  # untimed rounds before the timed ones, in both systems
+
+
+def updates(rank: int, count: int, params: int) -> list[torch.Tensor]:
+    """The `count` updates a process contributes to its rounds, the warm-up's first: the same in both
     systems. Made before the first round, as views of one random vector, each shifted by a value
     from the last: made between rounds instead (about 20 ms of CPU each at 4M values), a process done
     early would make its next update while the others are still in their round, and slow them."""
-    pool = torch.randn(params + rounds, generator=torch.Generator().manual_seed(rank)) * 0.01
-    return [pool[r : r + params] for r in range(rounds + 1)]
+    pool = torch.randn(params + count - 1, generator=torch.Generator().manual_seed(rank)) * 0.01
+    return [pool[r : r + params] for r in range(count)]
 
 
 async def sleep_until(t: float) -> None:
@@ -119,15 +124,15 @@ async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
     try:
         while len([c for c in node.conns.values() if not c.closed]) < a.n - 1:  # the full mesh
             await asyncio.sleep(0.05)
-        deltas = updates(a.rank, a.rounds, a.params)
+        deltas = updates(a.rank, WARMUP + a.rounds, a.params)
         start0 = await asyncio.to_thread(ready_then_start, folder, a.rank)
         genesis = torch.randn(a.params, generator=torch.Generator().manual_seed(0))
         replica = Replica(node.id, SharedState.create(0, 0, genesis, None), AveragingConfig(wait=a.interval),
                           expected=set(node.conns))
         averager = Averager(node, 0, replica, "fp32", "none")
         rounds, sent, cpu = [], 0, 0.0
-        for r, delta in zip(range(-1, a.rounds), deltas, strict=True):  # round -1: the warm-up
-            start = start0 + (r + 1) * a.interval
+        for r, delta in zip(range(-WARMUP, a.rounds), deltas, strict=True):  # rounds before 0: the warm-up
+            start = start0 + (r + WARMUP) * a.interval
             await sleep_until(start)
             if r == 0:
                 await averager.flush()
@@ -140,8 +145,8 @@ async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
         cpu -= time.process_time()
         await averager.flush()
         sent, cpu = node.traffic.totals()["sent"]["wire_bytes"] - sent, cpu + time.process_time()
-        await sleep_until(start0 + (a.rounds + 1) * a.interval)  # the others may still be sending to it
-        return {"rounds": rounds[1:], "sent_bytes_per_round": sent / a.rounds, "cpu_s_per_round": cpu / a.rounds}
+        await sleep_until(start0 + (WARMUP + a.rounds) * a.interval)  # the others may still be sending to it
+        return {"rounds": rounds[WARMUP:], "sent_bytes_per_round": sent / a.rounds, "cpu_s_per_round": cpu / a.rounds}
     finally:
         await node.stop()
         ident.release()
@@ -153,11 +158,11 @@ def gloo_member(a: argparse.Namespace) -> dict:
     port = int(a.ports.split(",")[0])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=a.rank, world_size=a.n)
     try:
-        deltas = updates(a.rank, a.rounds, a.params)
+        deltas = updates(a.rank, WARMUP + a.rounds, a.params)
         start0 = ready_then_start(a.folder, a.rank)
         rounds, cpu = [], 0.0
-        for r, delta in zip(range(-1, a.rounds), deltas, strict=True):
-            start = start0 + (r + 1) * a.interval
+        for r, delta in zip(range(-WARMUP, a.rounds), deltas, strict=True):
+            start = start0 + (r + WARMUP) * a.interval
             x = delta.clone()  # (all_reduce sums into it)
             time.sleep(max(0.0, start - time.time()))
             cpu -= time.process_time() if r >= 0 else 0.0
@@ -166,7 +171,7 @@ def gloo_member(a: argparse.Namespace) -> dict:
             rounds.append({"start": start, "end": time.time()})
             cpu += time.process_time() if r >= 0 else 0.0
         dist.barrier()
-        return {"rounds": rounds[1:], "cpu_s_per_round": cpu / a.rounds}
+        return {"rounds": rounds[WARMUP:], "cpu_s_per_round": cpu / a.rounds}
     finally:
         dist.destroy_process_group()
 
@@ -187,14 +192,14 @@ def run(kind: str, n: int, params: int, rounds: int, interval: float, setup_s: f
             procs.append((subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}), out))
         try:
             start = name_start(Path(tmp), [p for p, _ in procs], setup_s)
-            first = start + interval  # after the warm-up round
+            first = start + WARMUP * interval  # after the warm-up rounds
             time.sleep(max(0.0, first - 0.05 - time.time()))
             tx0 = loopback_tx_bytes()
             time.sleep(max(0.0, first + rounds * interval - 0.05 - time.time()))
             tx1 = loopback_tx_bytes()
             results = []
             for proc, out in procs:
-                if proc.wait(timeout=(rounds + 3) * interval + 60) != 0:
+                if proc.wait(timeout=(WARMUP + rounds + 2) * interval + 60) != 0:
                     raise RuntimeError(f"a {kind} process failed (exit {proc.returncode})")
                 results.append(json.loads(out.read_text()))
         finally:
@@ -216,8 +221,13 @@ def run(kind: str, n: int, params: int, rounds: int, interval: float, setup_s: f
 
 
 def summary(rows: list[dict], n: int, tensor_bytes: int) -> dict:
-    """One process count's line of the table, from its pairs of runs."""
-    runs = {kind: [r for r in rows if r["procs"] == n and r["system"] == kind] for kind in ("gloo", "spheroid")}
+    """One process count's line of the table, from its pairs of runs. The ratio is the median of the
+    pairs' ratios, not the ratio of the medians: a pair's two runs are minutes apart, so a machine's
+    drift over a longer time cancels within each pair."""
+    runs = {kind: sorted((r for r in rows if r["procs"] == n and r["system"] == kind), key=lambda r: r["pair"])
+            for kind in ("gloo", "spheroid")}
+    if [r["pair"] for r in runs["gloo"]] != [r["pair"] for r in runs["spheroid"]]:
+        raise ValueError(f"the runs of {n} processes do not make whole pairs")
     ratios = [ours["round_s"] / gloo["round_s"] for gloo, ours in zip(runs["gloo"], runs["spheroid"], strict=True)]
 
     def median(kind: str, key: str) -> float:
@@ -241,9 +251,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--procs", default="2,4,8", help="process counts, comma-separated")
     parser.add_argument("--params", type=int, default=1 << 22, help="float32 values averaged (default 16 MiB)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--rounds", type=int, default=5, help=f"timed rounds (after {WARMUP} warm-up rounds)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="pairs of runs (gloo, spheroid) per process count, in alternating order")
+                        help="pairs of runs (gloo, spheroid) per process count, in alternating order (even: "
+                             "balanced)")
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between round starts")
     parser.add_argument("--setup-s", type=float, default=120.0,
                         help="the longest to wait for the processes to start and meet")

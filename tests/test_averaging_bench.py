@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -29,20 +31,23 @@ def test_averaging_bench_runs_both_systems_and_a_butterfly_round_sends_two_vecto
     assert "replicas agree" in proc.stdout
 
 
-def run_row(system: str, round_s: float, pair: int, **extra) -> dict:
-    return {"system": system, "procs": 8, "round_s": round_s, "cpu_s_per_node": round_s / 4,
-            "loopback_bytes_per_node": 7.0, "pair": pair, **extra}
+def run_row(system: str, round_s: float, pair: int, cpu: float, **extra) -> dict:
+    return {"system": system, "procs": 8, "round_s": round_s, "cpu_s_per_node": cpu, "loopback_bytes_per_node": 7.0,
+            "pair": pair, **extra}
 
 
 def test_repeated_pairs_give_the_median_of_their_ratios_and_their_range():
     ok = {"agree": True, "complete": True}
-    # the second pair ran spheroid first (the order alternates): pairs are matched by their order
-    rows = [run_row("gloo", 0.10, 0), run_row("spheroid", 0.15, 0, **ok),
-            run_row("spheroid", 0.12, 1, **ok), run_row("gloo", 0.10, 1),
-            run_row("gloo", 0.08, 2), run_row("spheroid", 0.14, 2, agree=True, complete=False)]
+    # in the order main() runs them: the second pair ran spheroid first; each run has its pair's number
+    rows = [run_row("gloo", 0.10, 0, 0.020), run_row("spheroid", 0.15, 0, 0.030, **ok),
+            run_row("spheroid", 0.12, 1, 0.034, agree=True, complete=False), run_row("gloo", 0.09, 1, 0.019),
+            run_row("gloo", 0.08, 2, 0.021), run_row("spheroid", 0.14, 2, 0.032, **ok)]
     row = summary(rows, 8, tensor_bytes=4)
-    assert row["pairs"] == 3 and row["time_ratios"] == [0.15 / 0.10, 0.12 / 0.10, 0.14 / 0.08]
-    assert row["time_ratio"] == 0.15 / 0.10 and row["time_ratio_min"] == 0.12 / 0.10
+    assert row["pairs"] == 3 and row["time_ratios"] == [0.15 / 0.10, 0.12 / 0.09, 0.14 / 0.08]
+    assert row["time_ratio"] == 0.15 / 0.10 and row["time_ratio_min"] == 0.12 / 0.09
     assert row["time_ratio_max"] == 0.14 / 0.08
-    assert row["gloo_round_s"] == 0.10 and row["spheroid_round_s"] == 0.14
+    assert row["gloo_round_s"] == 0.09 and row["spheroid_round_s"] == 0.14
+    assert row["gloo_cpu_s_per_node"] == 0.020 and row["spheroid_cpu_s_per_node"] == 0.032
     assert row["spheroid_bytes_over_tensor"] == 7.0 / 4 and row["agree"] and not row["complete"]
+    with pytest.raises(ValueError, match="whole pairs"):
+        summary(rows[:-1], 8, tensor_bytes=4)

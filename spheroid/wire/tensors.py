@@ -311,12 +311,13 @@ def ternary_unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     return q
 
 
-# each quantized codec's integers as they travel, and back (only the codec's own is computed: int2's
-# packing alone costs several times int8's whole encoding)
+# each quantized codec's integers as they travel, and back: only the codec's own is computed (a
+# table of the packed values themselves packed every tensor three ways, and int2's packing alone
+# costs several times int8's whole encoding); the packers are looked up by name when called
 PACKERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "int8": lambda q: q, "int4": lambda q: pack(q, 4), "int2": lambda q: ternary_pack(q)}
 UNPACKERS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
-    "int8": lambda raw, n: raw, "int4": lambda raw, n: unpack(raw, n, 4), "int2": ternary_unpack}
+    "int8": lambda raw, n: raw, "int4": lambda raw, n: unpack(raw, n, 4), "int2": lambda raw, n: ternary_unpack(raw, n)}
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
