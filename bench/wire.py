@@ -36,7 +36,7 @@ from spheroid.wire import decode_tensor, encode_tensor
 from spheroid.wire.messages import Probe
 
 log = logging.getLogger("bench.wire")
-CODECS = [(c, z) for c in ("raw", "fp16", "bf16", "int8", "int4") for z in ("none", "lz4")]
+CODECS = [(c, z) for c in ("raw", "fp16", "bf16", "int8", "int4", "int2") for z in ("none", "lz4")]
 
 
 def free_port() -> int:

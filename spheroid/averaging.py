@@ -10,7 +10,8 @@ as one flat vector, the outer momentum when the outer step has one, and a `Versi
      member m's range to m (a `Part`, tagged with the round, the starting point's hash and the
      samples behind it). The owner checks every part (size, finite, norm against the other parts),
      and at `wait / 2` after the round's start, or when every member's part is in, averages them
-     weighted by samples: its range's `Reduced`;
+     weighted by samples (as claimed, up to `max_samples_ratio` times the median part's): its
+     range's `Reduced`;
   3. all-gather: each owner sends its `Reduced` to the group and to any other contributor, and each
      replica closes the round when every range has come in, or `wait` after the round's start,
      whichever is first: it applies the outer step to the assembled average and so gets the next
@@ -102,6 +103,10 @@ class AveragingConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     max_norm_ratio: float = 10.0  # an update whose norm is this far from its peers' is rejected
+    # a part weighs in with the samples it claims, but at most this many times the median part's: a
+    # peer cannot outweigh its peers by claiming samples it did not train (its norm is checked; its
+    # samples cannot be)
+    max_samples_ratio: float = 4.0
     flat: int = 16  # groups up to this size average in one row; larger ones in rows and columns (`Layout`)
     # error feedback (lossy codecs): what the codec lost of this replica's parts, and of the ranges
     # it averaged, is added to what it sends next round, so no progress is lost to rounding
@@ -116,8 +121,8 @@ class AveragingConfig:
             raise ValueError(f"codec must be one of {sorted(CODECS)}, got {self.codec!r}")
         if self.outer not in OUTER_STEPS:
             raise ValueError(f"outer must be one of {OUTER_STEPS}, got {self.outer!r}")
-        if self.every < 1 or self.wait <= 0 or self.max_norm_ratio <= 1 or self.flat < 1:
-            raise ValueError("need every >= 1, wait > 0, max_norm_ratio > 1 and flat >= 1")
+        if self.every < 1 or self.wait <= 0 or self.max_norm_ratio <= 1 or self.max_samples_ratio < 1 or self.flat < 1:
+            raise ValueError("need every >= 1, wait > 0, max_norm_ratio > 1, max_samples_ratio >= 1 and flat >= 1")
         if self.codec == "int2" and not self.feedback:
             # (it zeroes values under 1.25 times its block's mean magnitude: without the error sent
             # later, small steady progress would never reach the shared state)
@@ -397,6 +402,7 @@ class Counters:
     adopted: int = 0  # states fetched from peers and rebased onto
     missing: int = 0  # cells not received by a round's deadline
     forged: int = 0  # cells whose leaf digests, checked, were not those of their values
+    capped: int = 0  # parts averaged here that claimed more samples than `max_samples_ratio` lets count
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -684,11 +690,33 @@ class Replica:
             self.counters.rejected += 1
         self.rejected.update(rejected)
         used = sorted(s for s in kept if s not in rejected)
-        total = sum(kept[s].samples for s in used)  # (>= 1: the median is never an outlier)
-        average = torch.mul(kept[used[0]].delta, kept[used[0]].samples / total)
+        counted = self._counted_samples(kept)
+        total = sum(counted[s] for s in used)  # (>= 1: the median is never an outlier)
+        average = torch.mul(kept[used[0]].delta, counted[used[0]] / total)
         for s in used[1:]:
-            average.add_(kept[s].delta, alpha=kept[s].samples / total)
+            average.add_(kept[s].delta, alpha=counted[s] / total)
         return used, total, average
+
+    def _counted_samples(self, kept: dict[str, Part | Reduced]) -> dict[str, int]:
+        """The samples each part (or row's average) weighs in with: those it claims, up to
+        `max_samples_ratio` times the reference's (`_reference_samples`). Claimed samples cannot be
+        checked, and uncapped they would let one peer buy the average."""
+        cap = max(1, int(self.cfg.max_samples_ratio * self._reference_samples(kept)))
+        for sender, part in kept.items():
+            if part.samples > cap:
+                log.warning("%s from %s for round %d claims %d samples; counted as %d (max_samples_ratio %g times "
+                            "its peers' median): raise --max-samples-ratio if batches differ that much",
+                            type(part).__name__.lower(), sender[:8], self.round, part.samples, cap,
+                            self.cfg.max_samples_ratio)
+                self.counters.capped += 1
+        return {sender: min(part.samples, cap) for sender, part in kept.items()}
+
+    def _reference_samples(self, parts: dict[str, Part | Reduced]) -> float:
+        """The samples parts are measured against: the median part's; with two there is no
+        majority, and this replica trusts its own."""
+        if len(parts) == 2:
+            return max(1, parts[self.me].samples)
+        return max(1, statistics.median(u.samples for u in parts.values()))
 
     def _average_row(self, c: int) -> list[Outgoing]:
         """Average the row's parts of column c. In one level that is the range's average, to send
@@ -920,7 +948,7 @@ class Replica:
         norms = {s: norm(u.delta) if u.norm is None else u.norm for s, u in parts.items()}
         two = len(norms) == 2
         ref = norms[self.me] if two else statistics.median(norms.values())
-        ref_samples = max(1, parts[self.me].samples if two else statistics.median(u.samples for u in parts.values()))
+        ref_samples = self._reference_samples(parts)
         ratio, out = self.cfg.max_norm_ratio, {}
         for sender, size in norms.items():
             share = min(1.0, parts[sender].samples / ref_samples)

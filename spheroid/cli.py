@@ -712,6 +712,9 @@ def read_secret(path: str | None) -> bytes | None:
               help="Learning rate of the Nesterov outer step (--outer nesterov).")
 @click.option("--outer-momentum", type=float, default=AveragingConfig.outer_momentum, show_default=True,
               help="Momentum of the Nesterov outer step (--outer nesterov).")
+@click.option("--max-samples-ratio", type=click.FloatRange(min=1), default=AveragingConfig.max_samples_ratio,
+              show_default=True, help="A peer's update weighs in with the samples it claims, up to this many times "
+                                      "the median update's (raise it if the replicas' batches differ more).")
 @click.option("--serve", default=None, help="Serve these consecutive blocks for inference, e.g. 0-1 (needs "
                                              "--checkpoint).")
 @click.option("--checkpoint", "serve_from", type=click.Path(exists=True, file_okay=False),
@@ -731,8 +734,9 @@ def read_secret(path: str | None) -> bytes | None:
 @tls_options
 @command
 def node(listen, peers, announce, swarm, secret_file, identity, role, block, out, config_file, every, codec, lz4,
-         feedback, wait, outer, outer_lr, outer_momentum, serve, serve_from, serve_reference, hop_timeout, cache_mb,
-         session_ttl, threads, status_interval, data_dir, tls_cert, tls_key, tls_ca, **overrides) -> None:
+         feedback, wait, outer, outer_lr, outer_momentum, max_samples_ratio, serve, serve_from, serve_reference,
+         hop_timeout, cache_mb, session_ttl, threads, status_interval, data_dir, tls_cert, tls_key, tls_ca,
+         **overrides) -> None:
     """Run a node: serve the protocol, join the swarm through --peer, train --block B and serve --serve
     blocks if given, until Ctrl-C."""
     try:
@@ -761,7 +765,8 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
         if block is not None:
             run = node_run_config(config_file, overrides)
             averaging = AveragingConfig(every=every, codec=codec, lz4=lz4, feedback=feedback, wait=wait, outer=outer,
-                                        outer_lr=outer_lr, outer_momentum=outer_momentum)
+                                        outer_lr=outer_lr, outer_momentum=outer_momentum,
+                                        max_samples_ratio=max_samples_ratio)
             worker = BlockWorker(member, run, averaging, block, load_bytes(data_dir, "train"),
                                  Path(out or f"node-block-{block}"))
             work = worker.run

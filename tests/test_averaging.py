@@ -588,6 +588,32 @@ def test_a_part_behind_a_share_of_the_samples_may_be_that_much_smaller():
     assert "norm" in third_refused([0.5, 0.6, 500.0], [400, 400, 10**12])
 
 
+def test_a_part_claiming_far_more_samples_than_its_peers_weighs_in_with_max_samples_ratio_times_theirs():
+    """Claimed samples cannot be checked: a peer claiming a million times its peers' samples (its norm
+    within the band) counts as if it had max_samples_ratio times the median part's, on every
+    replica; parts within the ratio count as claimed."""
+    group = replicas(3, AveragingConfig(wait=1.0, max_samples_ratio=4.0))
+    deltas = [torch.full((P,), 0.01), torch.full((P,), 0.012), torch.full((P,), 0.05)]
+    exchange(group, deltas, [8, 10, 8_000_000])
+    closed = [r.close() for r in group]
+    counted = [8, 10, 4 * 10]  # (the median part: 10 samples)
+    step = sum(d * n for d, n in zip([0.01, 0.012, 0.05], counted, strict=True)) / sum(counted)
+    for c in closed:
+        assert sorted(c.contributors) == sorted(r.me for r in group) and not c.rejected
+        torch.testing.assert_close(c.state.params, replicas(1)[0].state.params + step, rtol=0, atol=1e-6)
+        assert c.state.version.samples == sum(counted)
+    assert [r.counters.capped for r in group] == [1, 1, 1]  # (each owner capped it in its range)
+
+    # with two, the reference is the owner's own part (in its own range an owner averages as it likes)
+    me, peer = replicas(2, AveragingConfig(wait=1.0, max_samples_ratio=2.0))
+    exchange([me, peer], [torch.full((P,), 0.01), torch.full((P,), 0.02)], [8, 10**9])
+    lo, hi = flat_range([me.me, peer.me], me.me)
+    torch.testing.assert_close(me.close().state.params[lo:hi],
+                               replicas(1)[0].state.params[lo:hi] + (0.01 * 8 + 0.02 * 16) / 24, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="max_samples_ratio"):
+        AveragingConfig(max_samples_ratio=0.5)
+
+
 def test_version_rule_prefers_later_rounds_then_more_samples_then_smaller_hash():
     assert Version(3, 0, "b").preferred_over(Version(2, 999, "a"))
     assert Version(2, 20, "b").preferred_over(Version(2, 10, "a"))

@@ -115,6 +115,7 @@ BAD = {
     "an address without a port": ["node", "--listen", "localhost"],
     "a serving range that is not one": ["node", "--serve", "3-1", "--checkpoint", "."],
     "a chunk of 0": ["eval", ".", "--k", "0"],
+    "a samples ratio under 1": ["node", "--max-samples-ratio", "0.5"],
 }
 if not torch.cuda.is_available():
     BAD["cuda on a CPU build"] = ["train", "--block", "0", "--device", "cuda"]

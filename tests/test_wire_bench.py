@@ -14,7 +14,8 @@ def test_wire_bench_small_run(tmp_path, data_dir):
     assert moved["payload_bytes"] == 4 << 20 and moved["protocol_wire_bytes"] > moved["payload_bytes"]
     assert moved["ratio"] > 0 and moved["raw_socket_mib_s"] > 0
     assert {(r["codec"], r["compression"]) for r in result["throughput"]} == {
-        (c, z) for c in ("raw", "fp16", "bf16", "int8", "int4") for z in ("none", "lz4")}
+        (c, z) for c in ("raw", "fp16", "bf16", "int8", "int4", "int2") for z in ("none", "lz4")}
     ratios = {(r["tensor"], r["codec"], r["compression"]): r["size_ratio"] for r in result["sizes"]}
     assert ratios[("block weights", "int8", "none")] < 0.3 and ratios[("block weights", "fp16", "none")] < 0.51
+    assert ratios[("block weights", "int2", "none")] < ratios[("block weights", "int4", "none")] < 0.16
     assert "node protocol" in proc.stdout
