@@ -3,6 +3,9 @@ copy's error stays that of one change instead of building up (spheroid/node/work
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -67,3 +70,32 @@ def test_a_change_from_a_state_rounds_old_goes_in_int8_and_later_ones_in_the_cod
     copy = genesis + through_codec(change, codec)
     change, codec = holder.change(state_hash(copy), {}, states[3], 3, "int2")
     assert codec == "int2"
+
+
+def test_readers_refreshing_at_once_each_get_changes_from_their_own_copy():
+    """A holder computes changes for several readers at once, in threads (the worker does it off
+    the event loop): each reader's every refresh finds the copy its last one made, and every copy
+    the holder keeps is bit for bit the one its reader holds."""
+    states = trajectory(10, n=200_000)
+    genesis = states[0]
+    known = {state_hash(genesis): (0, genesis)}
+    holder = ReadersCopies(limit=100)  # (8 readers x 10 refreshes: none forgotten)
+    start = threading.Barrier(8)
+
+    def reader(codec: str) -> list[str]:
+        copy, hashes = genesis.clone(), []
+        start.wait()
+        for round_, state in enumerate(states[1:], start=1):
+            got = holder.change(state_hash(copy), known, state, round_, codec)
+            assert got is not None, "the holder lost track of this reader's copy"
+            copy = copy + through_codec(*got)
+            hashes.append(state_hash(copy))
+        assert (copy - states[-1]).norm() < (genesis - states[-1]).norm() / 2
+        return hashes
+
+    with ThreadPoolExecutor(8) as pool:
+        held = list(pool.map(reader, ["int8", "int4", "int2", "int8"] * 2))
+    assert all(h in holder.copies for hashes in held for h in hashes)
+    for hashes in held:
+        for h in hashes:
+            assert state_hash(holder.copies[h]) == h
