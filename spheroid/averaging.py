@@ -10,8 +10,8 @@ as one flat vector, the outer momentum when the outer step has one, and a `Versi
      member m's range to m (a `Part`, tagged with the round, the starting point's hash and the
      samples behind it). The owner checks every part (size, finite, norm against the other parts),
      and at `wait / 2` after the round's start, or when every member's part is in, averages them
-     weighted by samples (as claimed, up to `max_samples_ratio` times the median part's): its
-     range's `Reduced`;
+     weighted by samples (as claimed, up to `max_samples_ratio` times the median part's or its
+     own): its range's `Reduced`;
   3. all-gather: each owner sends its `Reduced` to the group and to any other contributor, and each
      replica closes the round when every range has come in, or `wait` after the round's start,
      whichever is first: it applies the outer step to the assembled average and so gets the next
@@ -34,9 +34,10 @@ was left out of (it came late, or was refused). No local work is lost; it goes i
 round's update. With `feedback` (error feedback, for the lossy codecs) a replica also carries what
 the codec lost of its parts (its update minus what their owners decoded), and an owner adds what
 the codec lost of its last average of a cell to its next average of that cell: rounding errors are
-sent later, not dropped. A round counts the samples behind each cell weighted by its size, a
-missing cell none, so the version rule below makes replicas that missed cells adopt a state that
-has them when one exists.
+sent later, not dropped. A round counts the samples behind each cell (as its owner counted
+them, `max_samples_ratio` capping what a part claims) weighted by its size, a missing cell none,
+so the version rule below makes replicas that missed cells adopt a state that has them when one
+exists.
 
 Who is waited for: the group is the replica and the peers in step with it: those whose parts went
 into at least half of the values of its previous round (owners of cells that did not arrive aside),
@@ -103,9 +104,9 @@ class AveragingConfig:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     max_norm_ratio: float = 10.0  # an update whose norm is this far from its peers' is rejected
-    # a part weighs in with the samples it claims, but at most this many times the median part's: a
-    # peer cannot outweigh its peers by claiming samples it did not train (its norm is checked; its
-    # samples cannot be)
+    # a part weighs in with the samples it claims, but at most this many times the median part's (or
+    # the owner's own, if larger): a peer cannot outweigh its peers by claiming samples it did not
+    # train (its norm is checked; its samples cannot be)
     max_samples_ratio: float = 4.0
     flat: int = 16  # groups up to this size average in one row; larger ones in rows and columns (`Layout`)
     # error feedback (lossy codecs): what the codec lost of this replica's parts, and of the ranges
@@ -121,7 +122,8 @@ class AveragingConfig:
             raise ValueError(f"codec must be one of {sorted(CODECS)}, got {self.codec!r}")
         if self.outer not in OUTER_STEPS:
             raise ValueError(f"outer must be one of {OUTER_STEPS}, got {self.outer!r}")
-        if self.every < 1 or self.wait <= 0 or self.max_norm_ratio <= 1 or self.max_samples_ratio < 1 or self.flat < 1:
+        if (self.every < 1 or self.wait <= 0 or self.max_norm_ratio <= 1 or not self.max_samples_ratio >= 1
+                or self.flat < 1):  # (not >= 1: NaN too)
             raise ValueError("need every >= 1, wait > 0, max_norm_ratio > 1, max_samples_ratio >= 1 and flat >= 1")
         if self.codec == "int2" and not self.feedback:
             # (it zeroes values under 1.25 times its block's mean magnitude: without the error sent
@@ -683,33 +685,39 @@ class Replica:
     def _average(self, kept: dict[str, Part | Reduced]) -> tuple[list[str], int, torch.Tensor]:
         """The samples-weighted average of what passes the outlier check, in a fixed order (the same
         sums anywhere): (senders used, samples, average)."""
-        rejected = self._norm_outliers(kept)
+        reference = self._reference_samples(kept)
+        rejected = self._norm_outliers(kept, reference)
         for sender, reason in rejected.items():
             log.warning("%s from %s for round %d refused: %s", type(kept[sender]).__name__.lower(), sender[:8],
                         self.round, reason)
             self.counters.rejected += 1
         self.rejected.update(rejected)
         used = sorted(s for s in kept if s not in rejected)
-        counted = self._counted_samples(kept)
-        total = sum(counted[s] for s in used)  # (>= 1: the median is never an outlier)
+        counted = self._counted_samples({s: kept[s] for s in used}, reference)
+        total = sum(counted.values())  # (>= 1: the median is never an outlier)
         average = torch.mul(kept[used[0]].delta, counted[used[0]] / total)
         for s in used[1:]:
             average.add_(kept[s].delta, alpha=counted[s] / total)
         return used, total, average
 
-    def _counted_samples(self, kept: dict[str, Part | Reduced]) -> dict[str, int]:
+    def _counted_samples(self, used: dict[str, Part | Reduced], reference: float) -> dict[str, int]:
         """The samples each part (or row's average) weighs in with: those it claims, up to
-        `max_samples_ratio` times the reference's (`_reference_samples`). Claimed samples cannot be
-        checked, and uncapped they would let one peer buy the average."""
-        cap = max(1, int(self.cfg.max_samples_ratio * self._reference_samples(kept)))
-        for sender, part in kept.items():
+        `max_samples_ratio` times the larger of the reference's and this replica's own. Claimed
+        samples cannot be checked, and uncapped they would let one peer buy the average; its own
+        in the bound, an owner never caps a part no larger than its own (joiners' shares of a round
+        pulling the median down cap no full part)."""
+        bound = self.cfg.max_samples_ratio * max(reference, used[self.me].samples if self.me in used else 0)
+        if math.isinf(bound):  # (no cap asked for)
+            return {sender: part.samples for sender, part in used.items()}
+        cap = max(1, int(bound))
+        for sender, part in used.items():
             if part.samples > cap:
                 log.warning("%s from %s for round %d claims %d samples; counted as %d (max_samples_ratio %g times "
-                            "its peers' median): raise --max-samples-ratio if batches differ that much",
+                            "the median's or this node's own): raise --max-samples-ratio if batches differ that much",
                             type(part).__name__.lower(), sender[:8], self.round, part.samples, cap,
                             self.cfg.max_samples_ratio)
                 self.counters.capped += 1
-        return {sender: min(part.samples, cap) for sender, part in kept.items()}
+        return {sender: min(part.samples, cap) for sender, part in used.items()}
 
     def _reference_samples(self, parts: dict[str, Part | Reduced]) -> float:
         """The samples parts are measured against: the median part's; with two there is no
@@ -934,7 +942,7 @@ class Replica:
             out += [digests[i] for i in range(len(digests))]
         return out
 
-    def _norm_outliers(self, parts: dict[str, Part | Reduced]) -> dict[str, str]:
+    def _norm_outliers(self, parts: dict[str, Part | Reduced], ref_samples: float) -> dict[str, str]:
         """Parts (or rows' averages) whose norm is more than max_norm_ratio away from the median norm
         (its own too: an owner must not push its own outlier into a range everyone uses). With two
         there is no majority, and this replica trusts its own.
@@ -942,13 +950,12 @@ class Replica:
         The band's low end comes down with the samples behind a part against the reference's: an
         honest update of a share of a round's steps (a joiner's first) is that much smaller, and
         claiming fewer samples only lowers a part's weight. Its high end stays: claimed samples are
-        not trusted to let a larger part in."""
+        not trusted to let a larger part in. (`ref_samples`: the parts' `_reference_samples`.)"""
         if len(parts) < 2:
             return {}
         norms = {s: norm(u.delta) if u.norm is None else u.norm for s, u in parts.items()}
         two = len(norms) == 2
         ref = norms[self.me] if two else statistics.median(norms.values())
-        ref_samples = self._reference_samples(parts)
         ratio, out = self.cfg.max_norm_ratio, {}
         for sender, size in norms.items():
             share = min(1.0, parts[sender].samples / ref_samples)

@@ -714,7 +714,8 @@ def read_secret(path: str | None) -> bytes | None:
               help="Momentum of the Nesterov outer step (--outer nesterov).")
 @click.option("--max-samples-ratio", type=click.FloatRange(min=1), default=AveragingConfig.max_samples_ratio,
               show_default=True, help="A peer's update weighs in with the samples it claims, up to this many times "
-                                      "the median update's (raise it if the replicas' batches differ more).")
+                                      "the median update's or this node's own, whichever is larger (raise it if "
+                                      "the replicas' batches differ more; inf: no cap).")
 @click.option("--serve", default=None, help="Serve these consecutive blocks for inference, e.g. 0-1 (needs "
                                              "--checkpoint).")
 @click.option("--checkpoint", "serve_from", type=click.Path(exists=True, file_okay=False),

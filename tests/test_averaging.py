@@ -255,6 +255,7 @@ def test_a_large_group_averages_exactly_in_two_levels_and_agrees_bit_for_bit():
         assert c.state.version.samples == sum(samples) and not c.missing and c.carry is None
         assert c.contributors == sorted(r.me for r in group)
     assert len({c.state.version.hash for c in closed}) == 1
+    assert not any(r.counters.capped for r in group)  # (honest rows' totals differ, within the ratio)
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "int2", "bf16"])
@@ -589,29 +590,55 @@ def test_a_part_behind_a_share_of_the_samples_may_be_that_much_smaller():
 
 
 def test_a_part_claiming_far_more_samples_than_its_peers_weighs_in_with_max_samples_ratio_times_theirs():
-    """Claimed samples cannot be checked: a peer claiming a million times its peers' samples (its norm
-    within the band) counts as if it had max_samples_ratio times the median part's, on every
-    replica; parts within the ratio count as claimed."""
+    """Claimed samples cannot be checked: in an honest owner's range, a peer claiming a million
+    times its peers' samples (its norm within the band) counts as if it had max_samples_ratio times
+    the median part's (or the owner's own, if larger); parts within that count as claimed. Every
+    replica still ends with one state."""
     group = replicas(3, AveragingConfig(wait=1.0, max_samples_ratio=4.0))
     deltas = [torch.full((P,), 0.01), torch.full((P,), 0.012), torch.full((P,), 0.05)]
     exchange(group, deltas, [8, 10, 8_000_000])
     closed = [r.close() for r in group]
     counted = [8, 10, 4 * 10]  # (the median part: 10 samples)
     step = sum(d * n for d, n in zip([0.01, 0.012, 0.05], counted, strict=True)) / sum(counted)
-    for c in closed:
-        assert sorted(c.contributors) == sorted(r.me for r in group) and not c.rejected
-        torch.testing.assert_close(c.state.params, replicas(1)[0].state.params + step, rtol=0, atol=1e-6)
-        assert c.state.version.samples == sum(counted)
-    assert [r.counters.capped for r in group] == [1, 1, 1]  # (each owner capped it in its range)
+    base = replicas(1)[0].state.params
+    for honest in group[:2]:
+        lo, hi = flat_range([r.me for r in group], honest.me)
+        torch.testing.assert_close(closed[0].state.params[lo:hi], base[lo:hi] + step, rtol=0, atol=1e-6)
+    assert len({c.state.version.hash for c in closed}) == 1
+    assert all(sorted(c.contributors) == sorted(r.me for r in group) and not c.rejected for c in closed)
+    assert [r.counters.capped for r in group] == [1, 1, 0]  # (in its own range, an owner averages as it likes)
 
-    # with two, the reference is the owner's own part (in its own range an owner averages as it likes)
+    # with two, the reference is the owner's own part
     me, peer = replicas(2, AveragingConfig(wait=1.0, max_samples_ratio=2.0))
     exchange([me, peer], [torch.full((P,), 0.01), torch.full((P,), 0.02)], [8, 10**9])
     lo, hi = flat_range([me.me, peer.me], me.me)
     torch.testing.assert_close(me.close().state.params[lo:hi],
                                replicas(1)[0].state.params[lo:hi] + (0.01 * 8 + 0.02 * 16) / 24, rtol=0, atol=1e-6)
-    with pytest.raises(ValueError, match="max_samples_ratio"):
-        AveragingConfig(max_samples_ratio=0.5)
+
+    # an infinite ratio caps nothing; NaN and ratios under 1 are refused
+    me, peer = replicas(2, AveragingConfig(wait=1.0, max_samples_ratio=math.inf))
+    exchange([me, peer], [torch.full((P,), 0.01), torch.full((P,), 0.02)], [8, 10**9])
+    assert me.close().state.version.samples == 10**9 + 8 and me.counters.capped == 0
+    for bad in (0.5, math.nan):
+        with pytest.raises(ValueError, match="max_samples_ratio"):
+            AveragingConfig(max_samples_ratio=bad)
+
+
+def test_parts_of_a_share_of_a_round_pulling_the_median_down_cap_no_full_part():
+    """Three replicas that trained a share of a round (joiners' first parts, a last round cut short)
+    put the median at their samples; an owner whose own part is a full round's still counts its
+    peers' full parts as claimed."""
+    group = replicas(5, AveragingConfig(wait=1.0, max_samples_ratio=4.0))
+    values, samples = [0.05, 0.05, 0.01, 0.01, 0.01], [80, 80, 8, 8, 8]
+    exchange(group, [torch.full((P,), v) for v in values], samples)
+    closed = [r.close() for r in group]
+    step = sum(v * n for v, n in zip(values, samples, strict=True)) / sum(samples)
+    base = replicas(1)[0].state.params
+    for full in group[:2]:
+        lo, hi = flat_range([r.me for r in group], full.me)
+        torch.testing.assert_close(closed[0].state.params[lo:hi], base[lo:hi] + step, rtol=0, atol=1e-6)
+        assert full.counters.capped == 0
+    assert len({c.state.version.hash for c in closed}) == 1 and not closed[0].rejected
 
 
 def test_version_rule_prefers_later_rounds_then_more_samples_then_smaller_hash():

