@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> dict:
     quality = {}
     if mix:
         mixed = work / "model-mixed"
-        if not (mixed / "block-3.safetensors").exists():
+        if not (mixed / "block-3.json").exists():
             train(mixed, p["train"] + ["--chunks", mix], args.data, reference=False)
         chunks = sorted({1, *p["chunks"], *(int(k) for k in mix.split(","))})
         quality = {"mix": mix, "chunks": chunks, "trained_k1": quality_against_k(folder, windows, chunks, prompts, n),

@@ -1,11 +1,14 @@
 """Checkpoints: one safetensors file per block (or the reference) with a JSON record beside it.
 
-A checkpoint folder holds `block-<b>.safetensors` + `block-<b>.json` for each block and optionally
-`reference.safetensors` + `reference.json`. The JSON holds the full run configuration (model, noise,
-codebook seed, training), the training state and the sha256 of the weights file. Files are written
-atomically (temp file, fsync, rename; the JSON last, as the commit point) and verified on load, so a
-crash mid-write leaves the previous checkpoint loadable and a damaged file is refused, never loaded.
-No pickle: safetensors holds only tensors.
+A checkpoint folder holds `block-<b>.json` and the weights file it names for each block, and
+optionally `reference.json` and its weights. The JSON holds the full run configuration (model,
+noise, codebook seed, training), the training state, and the name and sha256 of its weights file,
+which is named for its content (`block-0.<16 hex digits of its sha256>.safetensors`; earlier
+versions wrote `block-0.safetensors`, still read). Files are written atomically (temp file, fsync,
+rename): the new weights under their own name, then the JSON, the commit point, and only then are
+the old weights deleted. So a crash at any moment of a save leaves the previous checkpoint or the
+new one loadable, and a damaged file is refused, never loaded. No pickle: safetensors holds only
+tensors.
 """
 
 from __future__ import annotations
@@ -83,18 +86,32 @@ def save_tensors(folder: str | os.PathLike, name: str, tensors: dict[str, torch.
     folder = Path(folder)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     blob = save_safetensors(tensors, metadata={"format": FORMAT, "name": name})
-    atomic_write(folder / f"{name}.safetensors", blob)
-    record = {
-        "format": FORMAT,
-        "name": name,
-        "weights": f"{name}.safetensors",
-        "sha256": hashlib.sha256(blob).hexdigest(),
-        "config": config.to_dict(),
-        "state": state,
-    }
+    sha = hashlib.sha256(blob).hexdigest()
+    weights = f"{name}.{sha[:16]}.safetensors"
+    atomic_write(folder / weights, blob)
+    record = {"format": FORMAT, "name": name, "weights": weights, "sha256": sha, "config": config.to_dict(),
+              "state": state}
     path = folder / f"{name}.json"
     atomic_write(path, json.dumps(record, indent=2, sort_keys=True).encode())
+    for old in weights_files(folder, name):
+        if old.name != weights:
+            old.unlink(missing_ok=True)
     return path
+
+
+def weights_files(folder: Path, name: str) -> list[Path]:
+    """The weights files of module `name` in a folder: the one its record names, and any a crash
+    between a save's steps left behind."""
+    pattern = re.compile(re.escape(name) + r"(\.[0-9a-f]{16})?\.safetensors")
+    return [p for p in folder.glob(f"{name}.*safetensors") if pattern.fullmatch(p.name)]
+
+
+def remove(folder: str | os.PathLike, name: str) -> None:
+    """Delete module `name`'s checkpoint from a folder: its record first, then its weights."""
+    folder = Path(folder)
+    (folder / f"{name}.json").unlink(missing_ok=True)
+    for path in weights_files(folder, name):
+        path.unlink(missing_ok=True)
 
 
 def load(folder: str | os.PathLike, name: str) -> Entry:
@@ -111,10 +128,18 @@ def load(folder: str | os.PathLike, name: str) -> Entry:
         raise CheckpointError(f"{path} is not a {FORMAT} record")
     try:
         config = RunConfig.from_dict(record["config"])
-        weights = folder / record["weights"]
-        expected = record["sha256"]
+        weights, expected, state = record["weights"], record["sha256"], record.get("state", {})
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path} has a malformed record: {exc}") from exc
+    if record.get("name") != name:
+        raise CheckpointError(f"{path} is the record of {record.get('name')!r}, not of {name!r}: was it renamed? "
+                              f"Restore the folder's files under their own names")
+    if not isinstance(weights, str) or Path(weights).name != weights or not weights.endswith(".safetensors"):
+        raise CheckpointError(f"{path} names weights {weights!r}, not a .safetensors file beside it")
+    if not isinstance(state, dict) or not isinstance(state.get("reads") or {}, dict) or not all(
+            isinstance(read, dict) for read in (state.get("reads") or {}).values()):
+        raise CheckpointError(f"{path} has a malformed record: its state must be a map, and its reads a map of maps")
+    weights = folder / weights
     try:
         blob = weights.read_bytes()
     except OSError as exc:
@@ -129,7 +154,7 @@ def load(folder: str | os.PathLike, name: str) -> Entry:
         tensors = load_safetensors(blob)
     except SafetensorError as exc:
         raise CheckpointError(f"{weights} is not a valid safetensors file: {exc}") from exc
-    return Entry(name, config, record.get("state", {}), tensors, actual)
+    return Entry(name, config, state, tensors, actual)
 
 
 def block_indices(folder: str | os.PathLike) -> list[int]:
@@ -149,9 +174,11 @@ def load_blocks(folder: str | os.PathLike) -> list[Entry]:
     entries = [load(folder, block_name(b)) for b in indices]
     first = entries[0].config
     n_blocks = first.model.n_blocks
-    if indices != list(range(n_blocks)):
-        missing = sorted(set(range(n_blocks)) - set(indices))
+    if missing := sorted(set(range(n_blocks)) - set(indices)):
         raise CheckpointError(f"{folder} lacks block(s) {missing} of {n_blocks}; train or fetch them first")
+    if extra := [b for b in indices if b >= n_blocks]:
+        raise CheckpointError(f"{folder} holds block(s) {extra} beyond the {n_blocks} of its block 0's model (left "
+                              f"from another model?): move them out of the folder")
     for e in entries[1:]:
         require_same_model(e, first, folder, "block-0")
     return entries

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,10 @@ class ModelConfig:
     reference_layout: str = "plain"
 
     def __post_init__(self) -> None:
+        sizes = {"vocab": self.vocab, "d_model": self.d_model, "n_heads": self.n_heads, "context": self.context,
+                 "mlp_ratio": self.mlp_ratio, "n_blocks": self.n_blocks, "layers_per_block": self.layers_per_block}
+        if small := [name for name, size in sizes.items() if size < 1]:
+            raise ValueError(f"{', '.join(small)} must be at least 1")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
         if self.chunk < 1 or self.chunk > self.context:
@@ -75,8 +80,6 @@ class ModelConfig:
             raise ValueError(f"relay_loss must be >= 0, got {self.relay_loss}")
         if self.reference_layout not in ("plain", "two_stream"):
             raise ValueError(f"reference_layout must be 'plain' or 'two_stream', got {self.reference_layout!r}")
-        if self.n_blocks < 1 or self.layers_per_block < 1:
-            raise ValueError("n_blocks and layers_per_block must be at least 1")
 
 
 @dataclass(frozen=True)
@@ -185,14 +188,31 @@ class RunConfig:
 
 
 def _build(kind: type, data: dict[str, Any]) -> Any:
-    """Build a dataclass from a dict, refusing unknown keys so a typo never passes silently."""
+    """Build a dataclass from a dict, refusing unknown keys (so a typo never passes silently) and
+    values of the wrong JSON type (a "32" for an int, a list for a float), which would otherwise fail
+    deep inside training, or not at all."""
     if not isinstance(data, dict):
         raise ValueError(f"{kind.__name__}: expected a JSON object, got {type(data).__name__}")
-    names = {f.name for f in dataclasses.fields(kind)}
-    unknown = set(data) - names
+    hints = typing.get_type_hints(kind)
+    unknown = set(data) - set(hints)
     if unknown:
         raise ValueError(f"{kind.__name__}: unknown field(s) {sorted(unknown)}")
-    return kind(**data)
+    return kind(**{name: _typed(kind, name, value, hints[name]) for name, value in data.items()})
+
+
+def _typed(kind: type, name: str, value: Any, hint: Any) -> Any:
+    """`value` as field `name` of `kind` holds it (an int where a float goes, a list where a tuple of
+    ints goes), or a ValueError naming the field."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if hint is float and (is_int or isinstance(value, float)):
+        return float(value)
+    if (hint is int and is_int) or (hint in (str, bool) and isinstance(value, hint)):
+        return value
+    if typing.get_origin(hint) is tuple and isinstance(value, (list, tuple)):
+        item = typing.get_args(hint)[0]
+        return tuple(_typed(kind, name, v, item) for v in value)
+    wanted = getattr(hint, "__name__", str(hint))
+    raise ValueError(f"{kind.__name__}.{name} must be {wanted}, got {value!r} ({type(value).__name__})")
 
 
 def override(config: Any, **changes: Any) -> Any:

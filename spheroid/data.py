@@ -64,8 +64,9 @@ def load_bytes(folder: str | os.PathLike | None, split: str, variant: str = "tok
                 raw = f.read()
         else:
             raw = path.read_bytes()
-    except (OSError, lzma.LZMAError) as exc:
-        raise DataError(f"cannot read {path}: {exc}") from exc
+    except (OSError, lzma.LZMAError, EOFError) as exc:  # (EOFError: an .xz cut short)
+        raise DataError(f"cannot read {path}: {exc or 'it ends before its compressed stream does'}; "
+                        f"re-fetch it") from exc
     if len(raw) < 2:
         raise DataError(f"{path} holds {len(raw)} bytes: too short to train or evaluate on")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)

@@ -237,8 +237,8 @@ def logged_step(line: str) -> float:
 
 def clear_run(out: Path, name: str) -> None:
     """Forget a trainer's resumable state and loss history in `out` (--fresh)."""
-    for suffix in (".resume.json", ".resume.safetensors", ".history.jsonl"):
-        (out / f"{name}{suffix}").unlink(missing_ok=True)
+    checkpoint.remove(out, resume_name(name))
+    (out / f"{name}.history.jsonl").unlink(missing_ok=True)
 
 
 @dataclass
@@ -283,6 +283,13 @@ def fit(
     opt = make_optimizer(model, cfg)
     rss_before = peak_rss_mb()
     resumed = load_resume(out, name, model, opt, gen, cfg) or {}
+    # blocks trained in order read fixed earlier blocks: resuming on others would mix two trainings
+    read, reads = resumed.get("reads") or {}, (state_extra or {}).get("reads") or {}
+    if resumed and not t.refresh_every and read != reads:
+        changed = sorted(k for k in {*read, *reads} if read.get(k) != reads.get(k))
+        raise checkpoint.CheckpointError(
+            f"{out} holds a resumable {name} trained against other versions of {', '.join(changed)} than the folder "
+            f"holds now: --fresh to train {name} again on these, or restore the ones it read")
     first, flops_per_step = resumed.get("step", 0), resumed.get("flops_per_step", 0)
     loss_value, ce_value = resumed.get("loss", float("nan")), resumed.get("ce", float("nan"))
     spent = resumed.get("wall_s", 0.0)  # seconds of training before this run

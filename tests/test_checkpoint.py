@@ -33,9 +33,10 @@ def test_round_trip_restores_weights_config_and_state(tmp_path, tiny):
 
 def test_truncated_weights_are_refused_with_a_clear_error(tmp_path, tiny):
     save_blocks(tmp_path, tiny)
-    path = tmp_path / "block-1.safetensors"
+    path = tmp_path / json.loads((tmp_path / "block-1.json").read_text())["weights"]
     path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(CheckpointError, match="block-1.safetensors .* does not match the sha256 .* one of the two is"):
+    with pytest.raises(CheckpointError, match=r"block-1\.[0-9a-f]{16}\.safetensors .* does not match the sha256 .* one "
+                                              r"of the two is"):
         load_chain(tmp_path, torch.device("cpu"))
 
 
@@ -76,6 +77,79 @@ def test_missing_block_and_mismatched_config_are_refused(tmp_path, tiny):
 def test_unknown_config_fields_are_refused():
     with pytest.raises(ValueError, match="unknown field"):
         RunConfig.from_dict({"model": {"d_modle": 3}})
+
+
+@pytest.mark.parametrize("table, field, value, error", [
+    ("model", "d_model", "32", r"ModelConfig\.d_model must be int, got '32'"),
+    ("model", "n_heads", 0, "n_heads must be at least 1"),
+    ("model", "edm_skip", 1, r"ModelConfig\.edm_skip must be bool"),
+    ("noise", "sigma_max", "x", r"NoiseConfig\.sigma_max must be float"),
+    ("train", "steps", 2.5, r"TrainConfig\.steps must be int, got 2\.5"),
+    ("train", "chunks", 5, r"TrainConfig\.chunks must be tuple"),
+    ("train", "chunks", [1, "4"], r"TrainConfig\.chunks must be int, got '4'"),
+])
+def test_config_values_of_the_wrong_type_are_refused_naming_the_field(table, field, value, error):
+    with pytest.raises(ValueError, match=error):
+        RunConfig.from_dict({table: {field: value}})
+
+
+def test_config_ints_where_floats_go_and_lists_where_tuples_go_read_as_such():
+    cfg = RunConfig.from_dict({"train": {"lr": 1, "chunks": [1, 4]}, "noise": {"sigma_max": 20}})
+    assert cfg.train.lr == 1.0 and type(cfg.train.lr) is float and cfg.noise.sigma_max == 20.0
+    assert cfg.train.chunks == (1, 4)
+    assert RunConfig.from_dict(json.loads(cfg.to_json())) == cfg
+
+
+def test_a_save_killed_before_its_record_leaves_the_previous_checkpoint_loadable(tmp_path, tiny, monkeypatch):
+    """The new weights are written under their own name, and the record (the commit point) after: a
+    crash between the two leaves the old record naming the old weights, both intact."""
+    old, new = (DiffusionBlock(tiny.model, tiny.noise.sigma_data, 0) for _ in range(2))  # (other random weights)
+    checkpoint.save(tmp_path, "block-0", old, tiny, {"step": 1})
+    writes, write = [], checkpoint.atomic_write
+
+    def killed_at_the_record(path, data):
+        if path.suffix == ".json":
+            raise KeyboardInterrupt  # (as a second Ctrl-C would, between the two writes)
+        writes.append(path)
+        write(path, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "atomic_write", killed_at_the_record)
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.save(tmp_path, "block-0", new, tiny, {"step": 2})
+    assert writes and writes[0].exists()  # the new weights were written, beside the old
+    entry = checkpoint.load(tmp_path, "block-0")
+    assert entry.state == {"step": 1}
+    assert all(torch.equal(entry.tensors[k], v) for k, v in old.state_dict().items())
+    checkpoint.save(tmp_path, "block-0", new, tiny, {"step": 2})  # the next save takes the left-over file away
+    assert checkpoint.load(tmp_path, "block-0").state == {"step": 2}
+    assert len(list(tmp_path.glob("block-0*.safetensors"))) == 1
+
+
+def test_a_record_under_another_name_or_naming_weights_elsewhere_is_refused(tmp_path, tiny):
+    save_blocks(tmp_path, tiny)
+    b0, b1 = (tmp_path / "block-0.json").read_text(), (tmp_path / "block-1.json").read_text()
+    (tmp_path / "block-0.json").write_text(b1)
+    (tmp_path / "block-1.json").write_text(b0)
+    with pytest.raises(CheckpointError, match="is the record of 'block-1', not of 'block-0': was it renamed"):
+        checkpoint.load(tmp_path, "block-0")
+    record = json.loads(b0)
+    for weights in ("../block-0.safetensors", "/etc/passwd", 5):
+        (tmp_path / "block-0.json").write_text(json.dumps({**record, "weights": weights}))
+        with pytest.raises(CheckpointError, match="not a .safetensors file beside it"):
+            checkpoint.load(tmp_path, "block-0")
+    for state in ([], {"reads": {"block-0": 5}}):
+        (tmp_path / "block-0.json").write_text(json.dumps({**record, "state": state}))
+        with pytest.raises(CheckpointError, match="its state must be a map, and its reads a map of maps"):
+            checkpoint.load(tmp_path, "block-0")
+
+
+def test_a_block_beyond_the_models_is_named(tmp_path, tiny):
+    save_blocks(tmp_path, tiny)
+    one = RunConfig(model=override(tiny.model, n_blocks=1), noise=tiny.noise, train=tiny.train)
+    checkpoint.save(tmp_path, "block-0", DiffusionBlock(one.model, 0.5, 0), one, {})
+    with pytest.raises(CheckpointError, match=r"holds block\(s\) \[1, 2, 3\] beyond the 1 of its block 0's model"):
+        checkpoint.load_blocks(tmp_path)
 
 
 def test_a_worker_checkpoint_saved_under_protocol_8_keeps_its_state_under_this_protocols_hash():

@@ -36,7 +36,7 @@ def start(*args: str, log: Path) -> subprocess.Popen:
 
 
 def weights(folder: Path, name: str) -> dict[str, torch.Tensor]:
-    return load_file(str(folder / f"{name}.safetensors"))
+    return load_file(str(folder / json.loads((folder / f"{name}.json").read_text())["weights"]))
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,15 @@ def test_corrupt_xz_is_a_clear_error(tmp_path):
         load_bytes(tmp_path, "train")
 
 
+def test_a_truncated_xz_is_a_clear_error(tmp_path):
+    text = bytes(range(256)) * 4000
+    with lzma.open(tmp_path / "whole.xz", "wb", preset=0) as f:
+        f.write(text)
+    (tmp_path / "wiki.train.tokens.xz").write_bytes((tmp_path / "whole.xz").read_bytes()[:-200])
+    with pytest.raises(DataError, match=r"cannot read .*wiki\.train\.tokens\.xz.*re-fetch it"):
+        load_bytes(tmp_path, "train")
+
+
 def test_windows_are_contiguous_slices():
     data = torch.arange(200, dtype=torch.uint8)
     w = random_windows(data, 8, 17, torch.Generator().manual_seed(0))

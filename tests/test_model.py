@@ -239,14 +239,30 @@ def test_chain_state_training_reads_frozen_earlier_blocks_and_updates_only_its_o
     with pytest.raises(CheckpointError, match="has no block 0 yet: train it first"):
         train_block(cfg, 1, data, tmp_path, torch.device("cpu"))
     train_block(cfg, 0, data, tmp_path, torch.device("cpu"))
-    block0 = (tmp_path / "block-0.safetensors").read_bytes()
+    block0 = (tmp_path / "block-0.json").read_bytes()
     train_block(cfg, 1, data, tmp_path, torch.device("cpu"))
-    assert (tmp_path / "block-0.safetensors").read_bytes() == block0
+    assert (tmp_path / "block-0.json").read_bytes() == block0  # (it names its weights by their sha256)
     assert checkpoint.load(tmp_path, "block-1").config.train.block_input == "chain"
     # a block trained for another noise schedule is refused as an earlier block
     other = RunConfig(model=tiny.model, noise=override(tiny.noise, p_mean=0.0), train=cfg.train)
     with pytest.raises(CheckpointError, match="another model or noise configuration"):
         train_block(other, 1, data, tmp_path, torch.device("cpu"))
+
+
+def test_a_block_resumed_on_other_earlier_blocks_than_it_read_is_refused(tiny, tmp_path):
+    """Blocks trained in order read fixed earlier blocks: a block 1 whose block 0 was trained again
+    since is not resumed (nor taken as trained) on the new one, which would mix two trainings."""
+    cfg = RunConfig(model=tiny.model, noise=tiny.noise, train=override(tiny.train, block_input="chain", steps=4))
+    data = torch.randint(0, 256, (5000,), dtype=torch.uint8)
+    train_block(cfg, 0, data, tmp_path, torch.device("cpu"))
+    train_block(cfg, 1, data, tmp_path, torch.device("cpu"))
+    train_block(cfg, 1, data, tmp_path, torch.device("cpu"))  # the same block 0: already trained, nothing to do
+    clear_run(tmp_path, "block-0")
+    train_block(RunConfig(model=cfg.model, noise=cfg.noise, train=override(cfg.train, seed=7)), 0, data, tmp_path,
+                torch.device("cpu"))
+    with pytest.raises(CheckpointError, match="trained against other versions of block-0 than the folder holds now: "
+                                              "--fresh to train block-1 again"):
+        train_block(cfg, 1, data, tmp_path, torch.device("cpu"))
 
 
 def test_variational_bound_terms(tiny):
@@ -407,13 +423,13 @@ def test_relayed_streams_grown_byte_by_byte_match_the_whole_context(tiny):
     channel the result must equal the streams computed over the whole context at once."""
     cfg = with_model(tiny, layers_per_block=2, context=32)
     blocks = blocks_for(cfg)
-    x = torch.randint(0, 256, (1, 20))
+    x = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     whole = encode_context(blocks, x)
     grown: dict = {}
     for end in (9, 10, 20):
         encode_context(blocks, x[:, :end], grown)
-    for b in range(4):
-        torch.testing.assert_close(grown[b].out, whole[b].out, rtol=0, atol=1e-5)
+    for b in range(4):  # (values up to about 20: float32 rounding alone differs by 1e-5 here and there)
+        torch.testing.assert_close(grown[b].out, whole[b].out, rtol=0, atol=1e-4)
     assert not torch.allclose(whole[1].out, encode_context(with_z(blocks, cfg), x)[1].out)
 
 

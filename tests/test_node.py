@@ -20,7 +20,7 @@ from spheroid.wire import VERSION, ProtocolError, encode
 from spheroid.wire.messages import Message, Peers, PeersReply, Status
 from spheroid.wire.session import Session
 
-from .nodes import NodeProcess, free_port, handshake_then, hello, raw_exchange, wait_until
+from .nodes import NodeProcess, free_port, handshake_then, hello, raw_exchange, stop_all, wait_until
 from .test_wire import MALFORMED
 
 VECTORS = Path(__file__).resolve().parents[1] / "proto" / "vectors"
@@ -166,7 +166,7 @@ def test_five_nodes_from_one_seed_reach_full_membership_and_survive_a_kill(tmp_p
         assert victim.wait_ready()["node"] == ids[victim.addr]
         wait_until(lambda: full(nodes), 90, "the restarted node to be re-admitted by all")
     finally:
-        codes = [n.stop() for n in nodes]
+        codes = stop_all(nodes)
     assert all(code == 0 for code in codes), codes
 
 

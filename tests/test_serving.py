@@ -20,7 +20,7 @@ from spheroid.node.serving import Batcher
 from spheroid.pipeline import Hop, NoRoute, build_route, check_route, parse_blocks, serving_range
 from spheroid.train import load_chain
 
-from .nodes import NodeProcess, handshake_then, wait_until
+from .nodes import NodeProcess, handshake_then, stop_all, wait_until
 
 CLIENT = NodeConfig(role="client", timeout=20)
 
@@ -71,8 +71,7 @@ def servers(tmp_path, model_dir):
         return node
 
     yield start
-    for node in started:
-        node.stop()
+    stop_all(started)
 
 
 def pipeline(servers, *flags: str, middle: int = 1) -> tuple[NodeProcess, list[NodeProcess], NodeProcess]:

@@ -22,7 +22,7 @@ from spheroid.node.client import with_holder_notes
 from spheroid.wire import encode, stream_frames
 from spheroid.wire.messages import StateReply
 
-from .nodes import NodeProcess, handshake_then, wait_until
+from .nodes import NodeProcess, handshake_then, stop_all, wait_until
 
 TINY = ["--d-model", "32", "--n-heads", "2", "--layers-per-block", "1", "--context", "32", "--batch", "8",
         "--threads", "1"]
@@ -43,8 +43,7 @@ def swarm(tmp_path, data_dir):
         return node
 
     yield start
-    for node in nodes:
-        node.stop()
+    stop_all(nodes)
 
 
 def training(node: NodeProcess) -> dict:
