@@ -110,8 +110,8 @@ VALID = {
         [1.00390625, 1.01171875, 1.0039072036743164, -1.00390625], [4], codec="bf16", rounded=True)},
     "fp16_rounding": {"t": "stream_chunk", "id": 36, "stream": 2, "seq": 2, "data": tensor_json(
         [1.00048828125, 1.00146484375, 1.0004884004592896, 2049.0], [4], codec="fp16", rounded=True)},
-    "tensor_int64": {"t": "status_reply", "id": 18, "re": 5,
-                     "status": {"counts": tensor_json([1, 2, 3], [3], "int64")}},
+    "tensor_int64": {"t": "stream_chunk", "id": 18, "stream": 4, "seq": 0,
+                     "data": tensor_json([1, 2, 3], [3], "int64")},
     "probe": {"t": "probe", "id": 19, "streams": [1, 2]},
     "probe_reply": {"t": "probe_reply", "id": 20, "re": 19, "elements": 9, "bytes": 36},
     "version": {"t": "version", "id": 21, "block": 2, "round": 7, "samples": 1792, "hash": "ab" * 32,
@@ -158,6 +158,8 @@ INVALID = {
     "tensor_size_mismatch": (None, "bad_tensor"),
     "int2_signs_missing": (None, "bad_tensor"),
     "update_stream_and_tensor": (None, "bad_field"),
+    "tensor_outside_a_tensor_field": (None, "bad_field"),
+    "tensor_decoding_past_the_frame_limit": (None, "too_large"),
 }
 
 
@@ -184,6 +186,15 @@ def invalid_frames() -> dict[str, tuple[str, str]]:
     out["update_stream_and_tensor"] = (frame(msgpack.packb({"t": "update", "id": 1, "block": 0, "round": 0,
                                                             "base": "ab", "samples": 1, "lo": 0, "hi": 1, "age": 0.0,
                                                             "stream": 3, "tensor": tensor})), "bad_field")
+    # tensors stand only in the fields the schemas give as tensor
+    out["tensor_outside_a_tensor_field"] = (frame(msgpack.packb({"t": "status_reply", "id": 2, "re": 1,
+                                                                 "status": {"counts": tensor}})), "bad_field")
+    # 2^21 zeros in int2 + lz4: 8 MiB of float32 from about 1 KiB, past the 4 MiB a frame's tensors
+    # may decode to
+    zeros = torch.zeros(1 << 21)
+    out["tensor_decoding_past_the_frame_limit"] = (encode({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
+                                                           "data": EncodedTensor(encode_tensor_pieces(
+                                                               zeros, "int2", "lz4"))}).hex(), "too_large")
     return out
 
 

@@ -13,8 +13,8 @@ from spheroid.node.accounting import Traffic
 from spheroid.node.connection import Connection, PeerGone
 from spheroid.node.node import open_session
 from spheroid.wire import ProtocolError, encode
-from spheroid.wire.messages import Probe, Update
-from spheroid.wire.streams import RAW_CHUNK_BYTES
+from spheroid.wire.messages import Peers, PeersReply, Pong, Probe, Update
+from spheroid.wire.streams import RAW_CHUNK_BYTES, stream_frames
 
 ME = {"addr": "127.0.0.1:1", "role": "worker", "blocks": [0], "boot": b"12345678"}
 
@@ -101,3 +101,63 @@ def test_a_tensor_and_message_sent_on_a_closed_connection_say_the_peer_is_gone()
             sock.close()
 
     asyncio.run(scenario())
+
+
+def test_a_reply_of_another_type_than_the_request_takes_fails_the_request():
+    """A peer answering `peers` with a `pong` under the request's id: the request fails as if the
+    peer had gone (callers read `peers` off the reply), and the connection keeps serving."""
+    async def scenario():
+        asker, answerer, socks = await connected_pair()
+        reading = asyncio.create_task(asker.serve(lambda conn, msg: asyncio.sleep(0), idle_timeout=10))
+        try:
+            asking = asyncio.create_task(asker.request(Peers()))
+            request = await answerer.recv()
+            await answerer.send(Pong(ts=0.0, re=request.id))
+            with pytest.raises(PeerGone, match="answered peers with a pong message, not peers_reply"):
+                await asking
+            asking = asyncio.create_task(asker.request(Peers()))
+            request = await answerer.recv()
+            await answerer.send(PeersReply(peers=[], re=request.id))
+            return await asking
+        finally:
+            for conn in (asker, answerer):
+                await conn.close()
+            reading.cancel()
+            for sock in socks:
+                sock.close()
+
+    assert asyncio.run(scenario()).peers == []
+
+
+def test_a_stream_that_stops_arriving_is_found_stalled_after_three_timeouts():
+    """A peer announces a stream and sends nothing more (its bytes stay reserved): the connection
+    says so once three timeouts passed without a frame of it, and not while frames come."""
+    async def scenario():
+        receiver, sender, socks = await connected_pair()
+        try:
+            ids = iter(range(100, 200))
+            frames = list(stream_frames(torch.zeros(3 << 20), 7, lambda: next(ids)))  # 12 MiB: 6 chunks
+            streams = receiver.session.streams
+
+            async def until(placed):  # (stream frames are read by the socket's callback: no reader needed)
+                async with asyncio.timeout(10):
+                    while streams.progress < placed:
+                        await asyncio.sleep(0.01)
+
+            await sender._write(frames[:2])  # the begin and one chunk
+            await until(2)
+            seen = [receiver.stream_stalled(t) for t in (0.0, 29.0)]
+            await sender._write(frames[2:3])
+            await until(3)
+            seen += [receiver.stream_stalled(t) for t in (31.0, 59.0, 62.0)]
+            await sender._write(frames[3:])
+            await until(len(frames))
+            return seen + [receiver.stream_stalled(100.0)]
+        finally:
+            for conn in (receiver, sender):
+                await conn.close()
+            for sock in socks:
+                sock.close()
+
+    # (timeout 10 s: stalled past 30 s without a frame; none open at the end)
+    assert asyncio.run(scenario()) == [False, False, False, False, True, False]

@@ -11,6 +11,7 @@ import time
 import torch
 
 from spheroid.config import NodeConfig
+from spheroid.node import node as node_module
 from spheroid.node.accounting import Traffic
 from spheroid.node.connection import Connection, PeerRefused, PeerSilent, dial, listen
 from spheroid.node.identity import load_or_create
@@ -197,6 +198,66 @@ async def member(cfg: NodeConfig, node_id: str) -> Connection:
     conn = await dial(host, int(port), Traffic(), open_session(me, cfg, None, True, 1 << 20), 10.0)
     await conn.open()
     return conn
+
+
+def test_a_stream_that_stops_arriving_is_refused_and_its_budget_returned(tmp_path):
+    """A member announces 100 MiB and sends no chunk: its reservation would keep other peers'
+    streams out for as long as it stays connected. The node closes it (`stalled`) three timeouts
+    later, and the bytes go back to the budget; one connection never holds more than half of it."""
+    async def scenario() -> tuple[int, int, str, int, bool]:
+        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"), timeout=1.0,
+                         ping_interval=0.5, dead_after=30.0)
+        node = Node(cfg, load_or_create(cfg.identity))
+        await node.start()
+        try:
+            hog = await member(cfg, "ab" * 16)
+            ids = itertools.count(100)
+            begin = next(stream_frames(torch.zeros(25 << 20), 1, lambda: next(ids)))
+            await hog._write([begin])
+            async with asyncio.timeout(10):
+                while not node.budget.held:
+                    await asyncio.sleep(0.01)
+            held = node.budget.held
+            refusal = await refused(hog, 30)
+            async with asyncio.timeout(10):
+                while node.budget.held:
+                    await asyncio.sleep(0.01)
+            greedy = await member(cfg, "cd" * 16)
+            over = next(stream_frames(torch.zeros(node.budget.limit // 8 + 1), 1, lambda: next(ids)))
+            await greedy._write([over])
+            return held, node.budget.held, refusal, await refused(greedy, 10)
+        finally:
+            await node.stop()
+
+    async def refused(conn: Connection, timeout: float) -> str:
+        """The code of the error the node ends the connection with (its gossip and pings aside)."""
+        async with asyncio.timeout(timeout):
+            while (message := await conn.recv()).t != "error":
+                pass
+        return message.code
+
+    held, after, stalled, over_half = asyncio.run(scenario())
+    assert held == 100 << 20 and stalled == "stalled" and after == 0
+    assert over_half == "too_large"  # a stream over half the budget, on one connection
+
+
+def test_a_background_loop_that_fails_logs_and_starts_again(tmp_path, monkeypatch, caplog):
+    """Gossip, pings and status lines run for as long as the node does: an error escaping one of
+    them (a peer's input that got past a check) is logged and the loop starts over."""
+    monkeypatch.setattr(node_module, "LOOP_RESTART_S", 0.01)
+    calls = []
+
+    async def gossip() -> None:
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise AttributeError("'Pong' object has no attribute 'peers'")
+
+    cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"))
+    node = Node(cfg, load_or_create(cfg.identity))
+    with caplog.at_level(logging.ERROR, "spheroid.node.node"):
+        asyncio.run(asyncio.wait_for(node._supervised(gossip), 10))
+    assert len(calls) == 3
+    assert caplog.text.count("the node's gossip failed; it starts again") == 2
 
 
 def test_repetitive_log_lines_are_rate_limited(caplog):

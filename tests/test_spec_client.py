@@ -45,7 +45,7 @@ def test_a_client_from_the_spec_authenticates_and_reads_the_status(tmp_path):
         host, port = node.addr.split(":")
         me, nonce = os.urandom(16).hex(), os.urandom(16)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            mine = send(sock, {"t": "hello", "id": 1, "version": 10, "swarm": "specswarm", "node": me, "addr": "",
+            mine = send(sock, {"t": "hello", "id": 1, "version": 11, "swarm": "specswarm", "node": me, "addr": "",
                                "role": "client", "blocks": [], "nonce": nonce, "auth": True,
                                "boot": os.urandom(8)})
             theirs, their_body = receive(sock)

@@ -15,6 +15,7 @@ from spheroid.wire import (
     SCHEMAS,
     Budget,
     Decoder,
+    EncodedTensor,
     ProtocolError,
     Received,
     StreamAssembler,
@@ -22,6 +23,7 @@ from spheroid.wire import (
     decode_tensor,
     encode,
     encode_tensor,
+    encode_tensor_pieces,
     stream_frames,
     through_codec,
 )
@@ -431,3 +433,47 @@ def test_rules_the_spec_states_are_enforced():
     with pytest.raises(ProtocolError) as err:
         decode_tensor(payload)
     assert err.value.code == "bad_tensor" and "carries no scales" in err.value.message
+
+
+def test_a_frames_tensors_decode_to_no_more_than_the_frame_limit():
+    """2^20 zeros in int2 + lz4 take 9 KiB on the wire (their scales, mostly) and 4 MiB decoded: after the handshake
+    (4 MiB frames) a stream chunk of them decodes; in a hello (64 KiB frames) a tensor is refused
+    before anything is allocated for it, and so is one in a field that takes none."""
+    zeros = EncodedTensor(encode_tensor_pieces(torch.zeros(1 << 20), "int2", "lz4"))
+    chunk = encode({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0, "data": zeros})
+    assert len(chunk) < 10_000 and decode_body(chunk[4:])["data"].numel() == 1 << 20
+    with pytest.raises(ProtocolError, match="decodes to more than the 65536 bytes") as err:
+        decode_body(chunk[4:], max_frame=64 << 10)
+    assert err.value.code == "too_large"
+    hello = encode({"t": "hello", "id": 1, "version": 11, "swarm": "s", "node": "ab" * 16, "addr": "", "role": "client",
+                    "blocks": [], "nonce": b"n" * 16, "auth": False, "boot": b"b" * 8, "x": [zeros, zeros]})
+    with pytest.raises(ProtocolError, match="decodes to more than the 65536 bytes"):
+        decode_body(hello[4:], max_frame=64 << 10)
+    small = torch.zeros(4)
+    ping = encode({"t": "ping", "id": 2, "ts": 0.0, "x": small})
+    with pytest.raises(ProtocolError, match="ping: a tensor in a field that takes none") as err:
+        decode_body(ping[4:])
+    assert err.value.code == "bad_field"
+
+
+def test_one_connection_holds_at_most_sixteen_streams_and_half_a_shared_budget():
+    ids = itertools.count()
+
+    def begin(numel: int, stream: int) -> dict:
+        return Decoder().feed(next(stream_frames(torch.zeros(numel), stream, lambda: next(ids))).frame)[0].message
+
+    budget = Budget(1 << 20)
+    streams = StreamAssembler(budget)
+    for stream in range(16):  # (empty streams reserve no bytes, but count)
+        streams.begin(begin(0, stream))
+    with pytest.raises(ProtocolError, match="16 streams are already open") as err:
+        streams.begin(begin(0, 16))
+    assert err.value.code == "too_many_streams"
+    streams.take(3)
+    streams.begin(begin(0, 16))  # (one taken: room for one more)
+    other = StreamAssembler(budget)
+    other.begin(begin((1 << 18) // 2, 1))  # half the budget (float32): the most one connection holds
+    with pytest.raises(ProtocolError, match="on one connection"):
+        other.begin(begin(1, 2))
+    assert budget.held == 1 << 19
+    StreamAssembler(budget).begin(begin((1 << 18) // 2, 1))  # another connection takes the other half

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from ..wire import Encoded, Outgoing, ProtocolError, stream_frames
-from ..wire.messages import INLINE, SCHEMAS, STREAM_FIELDS, Error, Hello, Message
+from ..wire.messages import INLINE, REPLIES, SCHEMAS, STREAM_FIELDS, Error, Hello, Message
 from ..wire.session import Arrived, Frame, Opened, Refused, Session
 from ..wire.streams import RAW_CHUNK_BYTES
 from .accounting import Traffic
@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[["Connection", Message], Awaitable[None]]
 KEEPALIVE = ("ping", "pong")  # messages that do not count as using a connection
+# timeouts without a frame of a stream the peer opened before the connection is closed (a 2 MiB
+# chunk at 3 timeouts of 10 s needs 0.6 Mbit/s)
+STALLED_TIMEOUTS = 3
 
 
 class PeerGone(Exception):
@@ -82,6 +85,7 @@ class Connection(asyncio.BufferedProtocol):
         self._writable = asyncio.Event()  # clear while the transport's write buffer is full
         self._writable.set()
         self._reading_paused = False
+        self._streams_moved = (0, 0.0)  # (the session's stream progress, when it last moved): stream_stalled
         self.closed = False
 
     # --- the socket's callbacks (asyncio.BufferedProtocol) ------------------------------------------
@@ -256,7 +260,9 @@ class Connection(asyncio.BufferedProtocol):
         return stream
 
     async def request(self, message: Message, timeout: float | None = None) -> Message:
-        """Send a request and wait for its reply (needs `serve` running to read replies)."""
+        """Send a request and wait for its reply (needs `serve` running to read replies): a message of
+        the type `REPLIES` names for it, or PeerGone (an error, silence, or any other type: callers
+        read the reply's fields)."""
         message = message.replace(id=self.next_id())
         future = asyncio.get_running_loop().create_future()
         self._pending[message.id] = future
@@ -270,6 +276,8 @@ class Connection(asyncio.BufferedProtocol):
             self._pending.pop(message.id, None)
         if isinstance(reply, Error):
             raise PeerGone(f"{self.label} answered {message.t} with error {reply.code}: {reply.message}")
+        if reply.t != REPLIES[message.t]:
+            raise PeerGone(f"{self.label} answered {message.t} with a {reply.t} message, not {REPLIES[message.t]}")
         return reply
 
     # --- receiving --------------------------------------------------------------------------------
@@ -339,6 +347,16 @@ class Connection(asyncio.BufferedProtocol):
                 log.info("%s", exc)
         finally:
             await self.close()
+
+    def stream_stalled(self, now: float) -> bool:
+        """Whether a stream the peer opened has moved by no frame for STALLED_TIMEOUTS timeouts (it
+        holds its share of the node's stream budget meanwhile). Asked now and then (the node's ping
+        loop); each call notes the stream's progress."""
+        streams = self.session.streams
+        if not streams.open or streams.progress != self._streams_moved[0]:
+            self._streams_moved = (streams.progress, now)
+            return False
+        return now - self._streams_moved[1] > STALLED_TIMEOUTS * self.timeout
 
     async def refuse(self, exc: ProtocolError) -> None:
         """Tell the peer what it did wrong (best effort), then close."""

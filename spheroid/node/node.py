@@ -50,7 +50,7 @@ from ..wire.messages import (
 )
 from ..wire.session import Session, is_node_id
 from .accounting import Traffic
-from .connection import Connection, PeerGone, dial, listen
+from .connection import STALLED_TIMEOUTS, Connection, PeerGone, dial, listen
 from .identity import Identity
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ CLIENTS = "clients"  # the one accounting label of all client connections (statu
 DIALS_AT_ONCE = 16  # dials to learned peers in flight at once
 SETTLED_FANOUT = 2  # peers a node connected to all it knows asks for peer lists once membership settles
 RTT_EVERY = 15  # ping intervals between the pings a node sends to a peer that dialled it (for the RTT)
+LOOP_RESTART_S = 5.0  # pause before a background loop that failed starts again
 # bytes of large frames read into buffers of their own, all connections together (beyond it, a
 # frame waits in its connection's scratch buffer as its bytes arrive)
 FRAMES_IN_FLIGHT = 64 << 20
@@ -186,7 +187,19 @@ class Node:
         log.info("node %s listening on %s (swarm %s, role %s%s)", self.id[:8], self.cfg.listen, self.cfg.swarm,
                  self.cfg.role, ", authenticated" if self.secret else "")
         for loop in (self._ping_loop, self._gossip_loop, self._seed_loop, self._status_loop):
-            self.spawn(loop())
+            self.spawn(self._supervised(loop))
+
+    async def _supervised(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run one of the node's background loops for as long as the node runs. An error that escapes
+        it (a bug, or a peer's input that got past the checks) is logged and the loop starts again
+        after a pause, rather than the node going on without it: no more gossip, pings or status."""
+        while True:
+            try:
+                return await loop()
+            except Exception:
+                log.exception("the node's %s failed; it starts again in %g s (please report this)", loop.__name__,
+                              LOOP_RESTART_S)
+                await asyncio.sleep(LOOP_RESTART_S)
 
     async def run(self, work: Callable[[], Awaitable[None]] | None = None) -> None:
         """Start, run `work` (training) beside the server, serve until SIGINT/SIGTERM, shut down cleanly.
@@ -433,9 +446,16 @@ class Node:
                 info = self.known.get(conn.label)
                 if (conn.outbound or conn in self.clients or min(conn.heard, conn.said) < quiet
                         or info is None or info.rtt_ms is None or beat % RTT_EVERY == 0):
-                    with contextlib.suppress(PeerGone):
-                        await conn.send(Ping(ts=time.monotonic()))
+                    self.spawn(self._ping(conn))  # (each on its own: a peer that stops reading delays no other)
+                if conn.stream_stalled(loop.time()):
+                    self.spawn(conn.refuse(ProtocolError("stalled", f"a stream sent no frame for {STALLED_TIMEOUTS} "
+                                                                    f"x {conn.timeout:g}s")))
             self.close_idle(time.monotonic())
+
+    @staticmethod
+    async def _ping(conn: Connection) -> None:
+        with contextlib.suppress(PeerGone):
+            await conn.send(Ping(ts=time.monotonic()))
 
     def close_idle(self, now: float) -> None:
         """Close the connections reach() dialled that carried nothing but pings for reach_idle, the

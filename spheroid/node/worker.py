@@ -101,8 +101,9 @@ async def fetch_from(node: Node, holders: list[str], block: int, n_params: int, 
             run_cfg, state = await request_state(conn, block, n_params, since, codec)
             if not same_run(run_cfg, cfg):
                 raise ValueError("its model or noise schedule differs from this node's")
-        except (PeerGone, ProtocolError, ValueError, TypeError) as exc:
-            log.warning("state of block %d from %s refused: %s", block, donor[:8], exc)
+        except Exception as exc:  # (whatever one holder sent: the next one is asked)
+            log.warning("state of block %d from %s refused: %s", block, donor[:8], exc,
+                        exc_info=not isinstance(exc, PeerGone | ProtocolError | ValueError | TypeError))
             continue
         log.info("fetched block %d's state %s (round %d) from %s", block, state.version.hash[:12],
                  state.version.round, donor[:8])

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import msgpack
 import torch
 
 from .errors import ProtocolError
-from .messages import INLINE, validate
+from .messages import INLINE, TENSOR_FIELDS, validate
 from .tensors import (
     DEFAULT_LIMITS,
     EXT_TENSOR,
@@ -113,15 +113,22 @@ def ext_header(code: int, n: int) -> bytes:
 
 def decode_body(body: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME,
                 limits: Limits = DEFAULT_LIMITS) -> dict:
-    """One frame body -> a validated message."""
+    """One frame body -> a validated message. Its tensors decode to at most `max_frame` bytes in all,
+    and stand only in fields that take one (`TENSOR_FIELDS`): a few kilobytes of compressed zeros
+    cannot make the receiver allocate gigabytes, and before the handshake (frames of 64 KiB) no more
+    than that."""
+    limits = replace(limits, max_bytes=min(limits.max_bytes, max_frame))
     message = _tensor_last(body, limits) if len(body) > HEAD_BYTES else None
     if message is not None:
         return validate(message)
+    decoded = []  # bytes of each tensor decoded so far
 
     def ext_hook(code: int, data: bytes) -> Any:
         if code != EXT_TENSOR:
             raise ProtocolError("unknown_ext", f"extension type {code} is not part of the protocol")
-        return decode_tensor(data, limits)
+        tensor = decode_tensor(data, replace(limits, max_bytes=limits.max_bytes - sum(decoded)))
+        decoded.append(tensor.numel() * tensor.element_size())
+        return tensor
 
     try:
         message = msgpack.unpackb(
@@ -137,7 +144,10 @@ def decode_body(body: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME
         raise ProtocolError("bad_frame", "frame holds bytes after its message") from None
     except (ValueError, TypeError, msgpack.exceptions.UnpackException) as exc:
         raise ProtocolError("bad_msgpack", f"frame body is not valid msgpack within limits: {exc}") from None
-    return validate(message)
+    message = validate(message)
+    if len(decoded) != sum(isinstance(message.get(name), torch.Tensor) for name in TENSOR_FIELDS[message["t"]]):
+        raise ProtocolError("bad_field", f"{message['t']}: a tensor in a field that takes none")
+    return message
 
 
 # a frame's fields before its last, a tensor, fit in this for the tensor to be decoded from the
@@ -158,6 +168,8 @@ def _tensor_last(body: bytes | bytearray | memoryview, limits: Limits) -> dict |
     if found is None:
         return None
     message, key, start = found
+    if key not in TENSOR_FIELDS[message["t"]]:
+        raise ProtocolError("bad_field", f"{message['t']}: a tensor in field {key!r}, which takes none")
     message[key] = decode_tensor(view[start:], limits)
     return message
 

@@ -20,7 +20,7 @@ import torch
 
 from .errors import ProtocolError
 
-VERSION = 10
+VERSION = 11
 
 # kind of each field; a trailing "?" marks it optional
 SCHEMAS: dict[str, dict[str, str]] = {
@@ -85,6 +85,12 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "bye": {"reason": "str"},
 }
 COMMON = {"t": "str", "id": "uint", "re": "uint?"}
+# the fields of each type that may hold a tensor on the wire (the decoder refuses one anywhere else)
+TENSOR_FIELDS = {kind: tuple(name for name, k in schema.items() if k.rstrip("?") == "tensor")
+                 for kind, schema in SCHEMAS.items()}
+# the reply each request waits for (`Connection.request` takes no other type under the request's id)
+REPLIES = {"ping": "pong", "peers": "peers_reply", "status": "status_reply", "probe": "probe_reply",
+           "state_get": "state_reply", "score": "score_reply"}
 # messages that name streams which arrived before them: the field naming them, and the field the
 # receiving session attaches the finished tensors under (a list of them for "probe")
 STREAM_FIELDS = {"update": ("stream", "tensor"), "reduced": ("stream", "tensor"), "state_reply": ("stream", "tensor"),

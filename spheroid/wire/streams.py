@@ -134,16 +134,29 @@ class _Partial:
         self.next_seq = 0
 
 
+MAX_STREAMS = 16  # streams one connection may hold, open or complete and not yet named by a message
+
+
 class StreamAssembler:
     """Reassembles the streams of one connection within a budget (bytes), shared with other
-    connections when given a `Budget` of the whole process."""
+    connections when given a `Budget` of the whole process. Of a shared budget one connection holds
+    at most half, and at most MAX_STREAMS streams: one peer cannot take what all the others' streams
+    need (a stream that stops arriving is the connection's to close: `progress` says when one moved)."""
 
     def __init__(self, budget: int | Budget = 1 << 30, limits: Limits = DEFAULT_LIMITS) -> None:
-        self.budget = budget if isinstance(budget, Budget) else Budget(budget)
+        shared = isinstance(budget, Budget)
+        self.budget = budget if shared else Budget(budget)
+        self.share = self.budget.limit // 2 if shared else self.budget.limit  # what this connection may hold
         self.limits = limits
         self._partial: dict[int, _Partial] = {}
         self._done: dict[int, torch.Tensor] = {}
         self.held = 0  # bytes allocated for partial and completed, untaken streams of this connection
+        self.progress = 0  # stream frames placed so far (begins and chunks)
+
+    @property
+    def open(self) -> bool:
+        """Whether a stream is still arriving."""
+        return bool(self._partial)
 
     def begin(self, msg: dict) -> None:
         stream, dtype, shape = msg["stream"], msg["dtype"], msg["shape"]
@@ -157,11 +170,20 @@ class StreamAssembler:
         if msg["chunk_elems"] < 1 or msg["chunks"] != math.ceil(numel / msg["chunk_elems"]):
             raise ProtocolError("bad_stream", f"{msg['chunks']} chunks of {msg['chunk_elems']} do not cover {numel}")
         nbytes = numel * DTYPES[dtype].itemsize
+        if len(self._partial) + len(self._done) >= MAX_STREAMS:
+            raise ProtocolError("too_many_streams", f"{MAX_STREAMS} streams are already open or not yet named by a "
+                                                    "message on this connection")
+        if self.held + nbytes > self.share:
+            raise ProtocolError("too_large", f"a stream of {nbytes} bytes does not fit the receiver's budget for "
+                                             f"incoming streams on one connection (this one holds {self.held} of "
+                                             f"the {self.share} bytes one may hold): send it later, or in smaller "
+                                             "parts")
         if not self.budget.reserve(nbytes):
             raise ProtocolError("too_large", f"a stream of {nbytes} bytes does not fit the receiver's budget for "
                                              f"incoming streams ({self.budget.held} of {self.budget.limit} bytes "
                                              "held across its connections): send it later, or in smaller parts")
         self.held += nbytes
+        self.progress += 1
         part = _Partial(torch.empty(numel, dtype=DTYPES[dtype]), shape, msg["chunks"], msg["chunk_elems"])
         if part.chunks == 0:
             self._done[stream] = part.out.view(shape)
@@ -199,6 +221,7 @@ class StreamAssembler:
         if data.data_ptr() != part.out.data_ptr() + lo * part.out.element_size():  # (unless it was read in place)
             part.out[lo:hi] = data.reshape(-1)
         part.next_seq += 1
+        self.progress += 1
         if part.next_seq < part.chunks:
             return None
         del self._partial[stream]

@@ -62,10 +62,13 @@ INT2_MEAN_SCALE = 2.5
 
 @dataclass(frozen=True)
 class Limits:
-    """Bounds a decoder enforces before it allocates anything for a tensor."""
+    """Bounds a decoder enforces before it allocates anything for a tensor. `max_bytes`: of the
+    decoded tensor; a frame's decoder lowers it to what is left of the frame's share (a compressed
+    int2 tensor of zeros is about 250 times smaller on the wire than decoded)."""
 
     max_elements: int = 1 << 28
     max_dims: int = 8
+    max_bytes: int = 1 << 30
 
 
 DEFAULT_LIMITS = Limits()
@@ -216,6 +219,9 @@ def decode_fields(dtype: Any, shape: Any, codec: Any, compression: Any, data: by
     numel = math.prod(shape)
     if numel > limits.max_elements:
         raise ProtocolError("too_large", f"tensor of {numel} elements exceeds the limit of {limits.max_elements}")
+    if numel * DTYPES[dtype].itemsize > limits.max_bytes:
+        raise ProtocolError("too_large", f"tensor of {numel} {dtype} decodes to more than the {limits.max_bytes} "
+                                         "bytes a frame's tensors may take: send it as a stream of smaller chunks")
     expected = codec_nbytes(dtype, codec, numel)
     if compression == "lz4":
         try:
