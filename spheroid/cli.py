@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import math
+import re
 import signal
 import sys
 import threading
@@ -25,7 +26,7 @@ from . import checkpoint
 from .averaging import CODECS, OUTER_STEPS, AveragingConfig
 from .chain import DEFAULT_DRAFT
 from .chain import generate as run_chain
-from .config import REFRESH_CODECS, ModelConfig, NodeConfig, NoiseConfig, RunConfig, TrainConfig, override
+from .config import REFRESH_CODECS, ModelConfig, NodeConfig, NoiseConfig, RunConfig, TrainConfig, override, parse_addr
 from .data import DataError, fixed_windows, load_bytes
 from .launch import LocalSwarm
 from .node.client import assemble_swarm, fetch_status, remote_generate, remote_score
@@ -67,7 +68,10 @@ def setup_logging(verbose: int, quiet: bool, log_file: str | None) -> None:
     level = logging.WARNING if quiet else (logging.DEBUG if verbose else logging.INFO)
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
-        handlers.append(logging.FileHandler(log_file))
+        try:
+            handlers.append(logging.FileHandler(log_file))
+        except OSError as exc:
+            raise click.BadParameter(f"cannot open {log_file}: {exc.strerror or exc}", param_hint="--log-file") from exc
     logging.basicConfig(level=level if verbose > 1 else min(level, logging.INFO), handlers=handlers, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("spheroid").setLevel(level)
@@ -93,6 +97,12 @@ def command(func):
             if debug:
                 raise
             raise Failure(str(exc)) from exc
+        except RuntimeError as exc:  # (torch's allocator says so in a RuntimeError)
+            if debug or "can't allocate memory" not in str(exc):
+                raise
+            wanted = re.search(r"allocate (\d+) bytes", str(exc))
+            size = f" ({int(wanted.group(1)) / 2**30:.1f} GiB at once)" if wanted else ""
+            raise Failure(f"not enough memory{size}: lower --batch or --windows, or the model's size") from exc
 
     for option in reversed(COMMON_OPTIONS):
         wrapper = option(wrapper)
@@ -170,6 +180,16 @@ def finite(ctx: click.Context, param: click.Parameter, value: float | None) -> f
     return value
 
 
+def host_port(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A node's address, HOST:PORT, checked before anything is dialled."""
+    try:
+        if value is not None:
+            parse_addr(value)
+        return value
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+
+
 def chunk_list(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
     """'1,4,16' -> (1, 4, 16)."""
     if value is None:
@@ -210,11 +230,17 @@ def config_file_defaults(ctx: click.Context, param: click.Parameter, value: str 
     table = read_config_file(value).get(ctx.info_name, {})
     if not isinstance(table, dict):
         raise click.BadParameter(f"{value}: [{ctx.info_name}] must be a table of flags", param_hint="--config")
-    known = {p.name for p in ctx.command.params}
-    flags = {k.replace("-", "_"): v for k, v in table.items()}
-    unknown = sorted(set(flags) - known)
+    params = {}  # a flag as the table may spell it (`peer`, `max-peers`, `checkpoint`) -> its parameter
+    for p in ctx.command.params:
+        for spelling in [p.name, *(o.lstrip("-").replace("-", "_") for o in getattr(p, "opts", []))]:
+            params[spelling] = p
+    unknown = sorted(k for k in table if k.replace("-", "_") not in params)
     if unknown:
         raise click.BadParameter(f"{value}: [{ctx.info_name}] has no flag(s) {unknown}", param_hint="--config")
+    flags = {}
+    for key, given in table.items():
+        p = params[key.replace("-", "_")]
+        flags[p.name] = [given] if getattr(p, "multiple", False) and not isinstance(given, list) else given
     ctx.default_map = {**(ctx.default_map or {}), **flags}
     return value
 
@@ -415,6 +441,17 @@ def stop_on_signals(stop: threading.Event):
             signal.signal(sig, handler)
 
 
+def what_else(folder: Path) -> str:
+    """What a folder without a model holds instead, and what to do with it (for an error message)."""
+    if resumable := sorted(p.name.removesuffix(".resume.json") for p in folder.glob("*.resume.json")):
+        return (f": only the resumable state of an unfinished run ({', '.join(resumable)}); run the same train "
+                "command again to finish it")
+    if workers := sorted(p.name for p in folder.glob("worker-*.safetensors")):
+        return (f": only a swarm node's state ({', '.join(workers)}); with the swarm running, `spheroid assemble "
+                "--peer HOST:PORT --out DIR` writes the model")
+    return ""
+
+
 @main.command(name="eval")
 @click.argument("ckpt", type=click.Path(exists=True, file_okay=False))
 @click.option("--split", type=click.Choice(["valid", "test"]), default="valid", show_default=True,
@@ -442,12 +479,13 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
     have_blocks = bool(checkpoint.block_indices(ckpt))
     have_reference = (Path(ckpt) / f"{checkpoint.REFERENCE}.json").exists()
     if not (have_blocks or have_reference):
-        raise Failure(f"{ckpt} holds neither blocks nor a reference checkpoint")
-    context = checkpoint.load(ckpt, "block-0" if have_blocks else checkpoint.REFERENCE).config.model.context
+        raise Failure(f"{ckpt} holds neither blocks nor a reference checkpoint{what_else(Path(ckpt))}")
+    first = checkpoint.load_blocks(ckpt)[0] if have_blocks else checkpoint.load(ckpt, checkpoint.REFERENCE)
+    context = first.config.model.context
     win = fixed_windows(load_bytes(data_dir, split, variant), windows, context + 1)
     results["bytes"] = win.shape[0] * context
     if have_blocks:
-        trained = checkpoint.load(ckpt, "block-0").config.noise
+        trained = first.config.noise
         noise = override(trained, steps_per_block=steps_per_block, churn=churn)
         chain, alone = evaluate_chain(ckpt, win, draws, seed, dev, chunk, noise)
         results.update(chain_ce_m1=chain.ce_one_draw, chain_ce=chain.ce_averaged, block0_alone_ce=alone)
@@ -489,8 +527,9 @@ def client_options(func):
         click.option("--secret-file", type=click.Path(exists=True, dir_okay=False),
                      help="The swarm secret, when its nodes were started with one."),
         click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
-                     help="Seconds to wait in all.  [default: 10 for status and assemble, 300 for generate, "
-                          "600 for score]"),
+                     help="Seconds to wait for an answer (generate and score: for their next message, so a long "
+                          "generation goes on while bytes come).  [default: 10 for status and assemble, 300 for "
+                          "generate, 600 for score]"),
     ]
     for option in reversed(options):
         func = option(func)
@@ -500,13 +539,22 @@ def client_options(func):
 def client_config(swarm: str, timeout: float, tls_cert: str | None, tls_key: str | None,
                   tls_ca: str | None) -> NodeConfig:
     """A client's NodeConfig: waits for one reply at most 30 s (a long request keeps pinging)."""
-    return NodeConfig(swarm=swarm, role="client", timeout=min(timeout, 30.0), tls_cert=tls_cert, tls_key=tls_key,
-                      tls_ca=tls_ca)
+    try:
+        return NodeConfig(swarm=swarm, role="client", timeout=min(timeout, 30.0), tls_cert=tls_cert, tls_key=tls_key,
+                          tls_ca=tls_ca)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
+
+
+# control characters but newline and tab, shown as \xNN: bytes from a remote node must not drive the
+# user's terminal (escape sequences)
+CONTROLS = {c: f"\\x{c:02x}" for c in [*range(32), *range(0x7F, 0xA0)] if c not in (9, 10)}
 
 
 class ByteWriter:
     """Writes a model's bytes to stdout as they come: unchanged with `raw`, else as UTF-8 text with
-    every byte that is not part of valid UTF-8 shown visibly as \\xNN (nothing is dropped)."""
+    every byte that is not part of valid UTF-8, and every control character but newline and tab,
+    shown visibly as \\xNN (nothing is dropped)."""
 
     def __init__(self, raw: bool) -> None:
         self.raw = raw
@@ -514,14 +562,14 @@ class ByteWriter:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
 
     def write(self, data: bytes, final: bool = False) -> None:
-        self.stream.write(data if self.raw else self.decoder.decode(data, final).encode())
+        self.stream.write(data if self.raw else self.decoder.decode(data, final).translate(CONTROLS).encode())
         self.stream.flush()
 
 
 @main.command()
 @click.argument("target", required=False)
-@click.option("--peer", default=None, help="Generate through the pipeline this serving node coordinates; "
-                                          "TARGET is then the prompt.")
+@click.option("--peer", callback=host_port, default=None,
+              help="Generate through the pipeline this serving node coordinates; TARGET is then the prompt.")
 @click.option("--prompt", default="", help="Text to continue (locally; with --peer give it as TARGET).")
 @click.option("--bytes", "n_bytes", type=click.IntRange(1, 1 << 16), default=200, show_default=True,
               help="How many bytes to generate.")
@@ -553,11 +601,12 @@ def generate(target, peer, prompt, n_bytes, mode, chunk, route, temperature, see
         cfg, blocks, codebook = load_chain(target, dev)
         text, stats = as_bytes(prompt), {}
         draft = (chunk or DEFAULT_DRAFT) if mode == "spec" else 0
-        out.write(text + run_chain(blocks, cfg.noise, codebook, text, n_bytes, 1 if draft else chunk or 1,
-                                   temperature, seed, draft, stats) + b"\n", final=True)
+        k = 1 if draft or mode == "ar" else chunk or 1
+        out.write(text + run_chain(blocks, cfg.noise, codebook, text, n_bytes, k, temperature, seed, draft, stats)
+                  + b"\n", final=True)
         log.info("%d bytes in %d traversals", n_bytes, stats["traversals"])
         return
-    if target is not None and Path(target).is_dir():
+    if target and Path(target).is_dir() and checkpoint.block_indices(target):
         raise click.UsageError(f"{target} is a checkpoint folder, but --peer generates through the swarm: give the "
                                f"prompt as TARGET (or drop --peer to generate from {target} here)")
     text = as_bytes(target if target is not None else prompt)
@@ -572,8 +621,10 @@ def generate(target, peer, prompt, n_bytes, mode, chunk, route, temperature, see
         return await remote_generate(peer, cfg, request, on_bytes=out.write, timeout=timeout or 300.0,
                                      secret=read_secret(secret_file))
 
-    result = run_client(ask, f"request to {peer} failed")
-    out.write(b"\n", final=True)
+    try:
+        result = run_client(ask, f"request to {peer} failed")
+    finally:
+        out.write(b"\n", final=True)  # (the prompt is out already: an error starts on a line of its own)
     log.info("%d bytes in %d traversals via %s", result["bytes"], result["traversals"],
              " -> ".join(h[0][:8] for h in result["route"]))
 
@@ -585,7 +636,7 @@ def as_bytes(text: str) -> bytes:
 
 @main.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
-@click.option("--peer", required=True, help="A serving node: it coordinates the request.")
+@click.option("--peer", callback=host_port, required=True, help="A serving node: it coordinates the request.")
 @click.option("--k", "chunk", type=POSITIVE, default=1, show_default=True, help="Chunk size of the attention mask.")
 @click.option("--route", default="auto", show_default=True, help="auto, or node ids (or prefixes) A,B,C.")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
@@ -800,6 +851,7 @@ def check_node_flags(flags: list[str]) -> None:
     node_run_config(params["config_file"], {k: v for k, v in params.items() if "__" in k})
 
 
+SWARM_SETS = ("--block", "--n-blocks", "--listen", "--peer", "--identity", "--out", "--data")  # per node, by `swarm`
 SWARM_REFRESH_EVERY = 100  # steps between a swarm node's refreshes of the earlier blocks it reads
 
 
@@ -832,6 +884,9 @@ def swarm(out, replicas, base_port, timeout, data_dir, node_flags) -> None:
     its last batch and, beside it, the w(sigma)-weighted loss it minimises (larger than the CE).
     """
     folder = Path(out)
+    if taken := sorted({flag.split("=")[0] for flag in node_flags} & set(SWARM_SETS)):
+        raise click.UsageError(f"the swarm gives each node its own {', '.join(taken)} (--replicas the blocks, --out "
+                               "the folders): leave them out of NODE_FLAGS")
     flags = [*node_flags, "--n-blocks", str(len(replicas))]
     check_node_flags(flags)
     with LocalSwarm(folder / "nodes", data_dir, flags) as local:
@@ -863,7 +918,7 @@ def swarm(out, replicas, base_port, timeout, data_dir, node_flags) -> None:
 
 
 @main.command()
-@click.option("--peer", required=True, help="HOST:PORT of any node of the swarm.")
+@click.option("--peer", callback=host_port, required=True, help="HOST:PORT of any node of the swarm.")
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Checkpoint folder to write.")
 @client_options
 @command
@@ -879,7 +934,7 @@ def assemble(peer, out, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) 
 
 
 @main.command()
-@click.option("--peer", required=True, help="HOST:PORT of the node to ask.")
+@click.option("--peer", callback=host_port, required=True, help="HOST:PORT of the node to ask.")
 @client_options
 @command
 def status(peer, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) -> None:

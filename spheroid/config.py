@@ -7,13 +7,28 @@ checkpoint is enough to rebuild the model, the noise schedule and the training r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 # how a swarm node may refresh its copies of earlier blocks: fp32 snapshots, or changes in a codec
 REFRESH_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
+
+
+@functools.cache
+def _float_fields(kind: type) -> tuple[str, ...]:
+    hints = typing.get_type_hints(kind)
+    return tuple(f.name for f in dataclasses.fields(kind) if hints[f.name] is float)
+
+
+def require_finite(config: Any) -> None:
+    """Refuse NaN and infinities in a configuration's float fields: they pass every range check and
+    fail later, mid-run, as a loss of NaN."""
+    if bad := [name for name in _float_fields(type(config)) if not math.isfinite(getattr(config, name))]:
+        raise ValueError(f"{', '.join(bad)} must be finite, got {', '.join(str(getattr(config, n)) for n in bad)}")
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,9 @@ class ModelConfig:
     reference_layout: str = "plain"
 
     def __post_init__(self) -> None:
+        require_finite(self)
+        if self.codebook_norm <= 0:
+            raise ValueError(f"codebook_norm must be positive, got {self.codebook_norm}")
         sizes = {"vocab": self.vocab, "d_model": self.d_model, "n_heads": self.n_heads, "context": self.context,
                  "mlp_ratio": self.mlp_ratio, "n_blocks": self.n_blocks, "layers_per_block": self.layers_per_block}
         if small := [name for name, size in sizes.items() if size < 1]:
@@ -96,6 +114,7 @@ class NoiseConfig:
     churn: float = 0.0  # stochastic sampler: before each step, re-inject noise up to sigma * (1 + churn)
 
     def __post_init__(self) -> None:
+        require_finite(self)
         if not 0 < self.sigma_min < self.sigma_max:
             raise ValueError(f"need 0 < sigma_min < sigma_max, got {self.sigma_min}, {self.sigma_max}")
         if self.p_std <= 0 or self.sigma_data <= 0 or self.overlap < 0 or self.steps_per_block < 1:
@@ -136,6 +155,7 @@ class TrainConfig:
     chunks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        require_finite(self)
         object.__setattr__(self, "chunks", tuple(self.chunks))  # a JSON list reads back as a list
         if any(not isinstance(k, int) or k < 1 for k in self.chunks):
             raise ValueError(f"chunks must be sizes of at least 1, got {list(self.chunks)}")
@@ -181,6 +201,12 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def differences(self, other: RunConfig) -> list[str]:
+        """What `other` sets otherwise, as 'table.field: ours -> theirs' (for errors that refuse it)."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [f"{table}.{name}: {value!r} -> {theirs[table][name]!r}"
+                for table in mine for name, value in mine[table].items() if theirs[table][name] != value]
 
     @classmethod
     def from_json(cls, text: str) -> RunConfig:
@@ -260,6 +286,8 @@ class NodeConfig:
             raise ValueError("need 0 < ping_interval < dead_after")
         if not 0 < self.gossip_interval <= self.gossip_max < self.forget_after:
             raise ValueError("need 0 < gossip_interval <= gossip_max < forget_after")
+        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_ca and not self.tls_cert):
+            raise ValueError("--tls-cert and --tls-key go together, and --tls-ca with them")
 
     @property
     def address(self) -> str:

@@ -40,7 +40,10 @@ def make_codebook(cfg: ModelConfig) -> torch.Tensor:
 
 def load_genesis_codebook(path: str, sha256: str, shape: tuple[int, int]) -> torch.Tensor:
     """A genesis codebook file: safetensors with one tensor "codebook" of the given shape."""
-    blob = Path(path).read_bytes()
+    try:
+        blob = Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"cannot read the genesis codebook {path} (--codebook-file): {exc.strerror or exc}") from exc
     if hashlib.sha256(blob).hexdigest() != sha256:
         raise ValueError(f"codebook file {path} does not match its sha256 {sha256[:12]}: fetch the swarm's own")
     rows = safetensors_load(blob).get("codebook")

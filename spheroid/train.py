@@ -214,9 +214,10 @@ def load_resume(out: Path, name: str, model: torch.nn.Module, opt: torch.optim.O
         return None
     entry = checkpoint.load(out, resume_name(name))
     if entry.config != cfg:
+        changed = "; ".join(entry.config.differences(cfg))
         raise checkpoint.CheckpointError(
-            f"{out} holds a resumable {name} trained with another configuration: give another --out, or "
-            f"--fresh to start over there")
+            f"{out} holds a resumable {name} trained with another configuration ({changed}): give the flags it was "
+            f"trained with, another --out, or --fresh to start over there")
     weights = {k.removeprefix("model."): v for k, v in entry.tensors.items() if k.startswith("model.")}
     load_state(model, checkpoint.Entry(entry.name, entry.config, entry.state, weights, entry.sha256))
     load_optimizer_tensors(opt, entry.tensors)

@@ -168,3 +168,11 @@ def test_a_worker_checkpoint_saved_under_protocol_8_keeps_its_state_under_this_p
     assert from_protocol_8(other, params, momentum) == other  # damaged: unpack will say so
     with pytest.raises(ValueError, match="does not match"):
         SharedState.unpack(other, torch.cat([params, momentum]), 40000)
+
+
+def test_a_configuration_names_what_another_sets_otherwise():
+    ours = RunConfig()
+    theirs = RunConfig(model=override(ours.model, d_model=64), train=override(ours.train, steps=ours.train.steps + 1))
+    assert ours.differences(theirs) == [f"model.d_model: {ours.model.d_model} -> 64",
+                                        f"train.steps: {ours.train.steps} -> {ours.train.steps + 1}"]
+    assert ours.differences(ours) == []

@@ -115,6 +115,11 @@ BAD = {
     "an address without a port": ["node", "--listen", "localhost"],
     "a serving range that is not one": ["node", "--serve", "3-1", "--checkpoint", "."],
     "a chunk of 0": ["eval", ".", "--k", "0"],
+    "a flag the swarm sets for each node": ["swarm", "--", "--block", "1"],
+    "a peer address without a port": ["status", "--peer", "garbage"],
+    "a NaN relay loss": ["train", "--block", "0", "--relay-loss", "nan"],
+    "an infinite sigma_max": ["train", "--block", "0", "--sigma-max", "inf"],
+    "a log file in a folder that does not exist": ["eval", ".", "--log-file", "/nonexistent/folder/log"],
 }
 if not torch.cuda.is_available():
     BAD["cuda on a CPU build"] = ["train", "--block", "0", "--device", "cuda"]
@@ -127,6 +132,7 @@ def test_bad_values_are_refused_up_front_in_one_line_with_status_2(case, tmp_pat
     from spheroid.cli import main
 
     args = [str(tmp_path) if a == "." else a for a in BAD[case]]
+    (tmp_path / "block-0.json").write_text("{}")  # (a checkpoint folder, as far as the flags' checks look)
     result = CliRunner().invoke(main, args)  # in this process: the same command, without a new interpreter
     err = result.stderr
     assert result.exit_code == 2, err + result.stdout
@@ -183,14 +189,21 @@ def test_config_takes_a_checkpoint_record_and_refuses_unknown_tables(block0, tmp
 
 
 def test_one_toml_file_holds_a_nodes_flags(tmp_path):
+    """The [node] table takes the flags as spelt (`peer`, one or a list); a seed that cannot be reached
+    is a warning; generate sent to a node that serves nothing says so, on a line of its own."""
     port = free_port()
     config = tmp_path / "node.toml"
     config.write_text(f'[node]\nlisten = "127.0.0.1:{port}"\nidentity = "{tmp_path / "id.json"}"\n'
-                      f'status-interval = 1.0\n')
+                      f'status-interval = 1.0\npeer = "127.0.0.1:1"\n')
     proc = start("node", "--config", str(config), log=tmp_path / "node.log")
     try:
         wait_until(lambda: spheroid("status", "--peer", f"127.0.0.1:{port}", timeout=30).returncode == 0, 60,
                    "the node configured from the file to answer")
+        wait_until(lambda: "cannot reach --peer 127.0.0.1:1" in (tmp_path / "node.log").read_text(), 30,
+                   "a warning about the seed nothing listens on")
+        asked = spheroid("generate", "--peer", f"127.0.0.1:{port}", "", timeout=60)
+        assert asked.returncode == 1 and asked.stdout == b"\n"  # (an empty prompt is a prompt)
+        assert "serves no blocks: send generate to a node started with --serve" in asked.stderr.decode()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
@@ -210,8 +223,42 @@ def test_generate_shows_bytes_that_are_not_utf8_and_raw_writes_them_unchanged(bl
     raw, shown = spheroid(*args, "--raw"), spheroid(*args)
     assert raw.returncode == 0 and shown.returncode == 0, shown.stderr
     assert raw.stdout.startswith(prompt) and len(raw.stdout) == len(prompt) + 64 + 1
-    assert shown.stdout.decode("utf-8") == raw.stdout.decode("utf-8", errors="backslashreplace")
+    from spheroid.cli import CONTROLS  # (control characters are shown as \\xNN too)
+
+    assert shown.stdout.decode("utf-8") == raw.stdout.decode("utf-8", errors="backslashreplace").translate(CONTROLS)
     assert "\\xe9" in shown.stdout.decode()
+    ar = spheroid(*args, "--mode", "ar", "--k", "4", "--bytes", "8")  # (ar is a byte a traversal, whatever --k)
+    assert ar.returncode == 0 and "8 bytes in 8 traversals" in ar.stderr.decode(), ar.stderr
+
+
+def test_control_characters_are_shown_not_sent_to_the_terminal(monkeypatch):
+    import io
+
+    from spheroid.cli import ByteWriter
+
+    out = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out))
+    writer = ByteWriter(raw=False)
+    writer.write(b"a\x1b[2Jb\tc\nd\x7f\xc2\x9b", final=True)
+    assert out.getvalue() == b"a\\x1b[2Jb\tc\nd\\x7f\\x9b"
+
+
+def test_a_folder_with_only_an_unfinished_run_or_a_missing_block_0_says_what_it_holds(tmp_path, data_dir):
+    from click.testing import CliRunner
+
+    from spheroid import checkpoint
+    from spheroid.cli import main
+    from spheroid.config import ModelConfig, RunConfig
+    from spheroid.model import DiffusionBlock
+
+    cfg = RunConfig(model=ModelConfig(d_model=32, n_heads=2, layers_per_block=1, context=32))
+    checkpoint.save(tmp_path, "block-0.resume", DiffusionBlock(cfg.model, 0.5, 0), cfg, {"step": 3})
+    result = CliRunner().invoke(main, ["eval", str(tmp_path), "--data", str(data_dir)])
+    assert result.exit_code == 1 and "only the resumable state of an unfinished run (block-0); run the same train " \
+                                     "command again" in result.stderr
+    checkpoint.save(tmp_path, "block-1", DiffusionBlock(cfg.model, 0.5, 1), cfg, {"step": 3})
+    result = CliRunner().invoke(main, ["eval", str(tmp_path), "--data", str(data_dir)])
+    assert result.exit_code == 1 and "lacks block(s) [0, 2, 3] of 4" in result.stderr, result.stderr
 
 
 def test_a_server_that_is_not_a_spheroid_node_gets_a_clear_error(tmp_path):
@@ -243,3 +290,20 @@ def test_serving_blocks_the_model_does_not_have_says_which_it_has(block0, tmp_pa
     proc = spheroid("node", "--listen", f"127.0.0.1:{free_port()}", "--identity", str(tmp_path / "id.json"),
                     "--serve", "0-5", "--checkpoint", str(block0), timeout=60)
     assert proc.returncode == 1 and "the model in" in proc.stderr.decode() and "has blocks 0-3" in proc.stderr.decode()
+
+
+def test_files_that_cannot_be_read_and_a_run_out_of_memory_name_what_to_change(tmp_path, data_dir):
+    from click.testing import CliRunner
+
+    from spheroid.cli import main
+    from spheroid.model import load_genesis_codebook
+    from spheroid.node.identity import IdentityError, load_or_create
+
+    with pytest.raises(IdentityError, match=r"cannot keep the identity /proc/nope/id.json \(--identity\)"):
+        load_or_create("/proc/nope/id.json")
+    with pytest.raises(ValueError, match=r"cannot read the genesis codebook .*nope \(--codebook-file\)"):
+        load_genesis_codebook(str(tmp_path / "nope"), "ab" * 32, (256, 32))
+    result = CliRunner().invoke(main, ["train", "--block", "0", *TINY, "--batch", "10000000000", "--out",
+                                       str(tmp_path / "big"), "--data", str(data_dir)])
+    assert result.exit_code == 1 and "not enough memory (" in result.stderr and "lower --batch" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -161,3 +161,15 @@ def test_a_stream_that_stops_arriving_is_found_stalled_after_three_timeouts():
 
     # (timeout 10 s: stalled past 30 s without a frame; none open at the end)
     assert asyncio.run(scenario()) == [False, False, False, False, True, False]
+
+
+def test_tls_flags_go_together_and_a_bad_pem_names_its_files(tmp_path):
+    from spheroid.node.node import ssl_contexts
+
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    for flags in ({"tls_cert": str(junk)}, {"tls_key": str(junk)}, {"tls_ca": str(junk)}):
+        with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
+            NodeConfig(**flags)
+    with pytest.raises(ValueError, match=f"cannot load TLS from {junk}, {junk}: .*give a PEM certificate"):
+        ssl_contexts(NodeConfig(tls_cert=str(junk), tls_key=str(junk)))

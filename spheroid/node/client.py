@@ -275,12 +275,18 @@ async def remote_score(addr: str, cfg: NodeConfig, request: dict, secret: bytes 
 async def _streamed(addr: str, cfg: NodeConfig, secret: bytes | None, message: Message,
                     on_message: Callable[[Message, asyncio.Future], None], timeout: float) -> dict:
     """Send a request whose answer comes as several messages, each given to `on_message` until it
-    sets the result; an error reply fails it. Pings meanwhile, so the node knows we are here."""
-    done: asyncio.Future = asyncio.get_running_loop().create_future()
+    sets the result; an error reply fails it, and so do `timeout` seconds without a message for it
+    (a long generation goes on as long as its bytes come). Pings meanwhile, so the node knows we
+    are here."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+    heard = loop.time()
 
     async def route(_conn: Connection, msg: Message) -> None:
+        nonlocal heard
         if msg.re is None or msg.re != message.id or done.done():
             return
+        heard = loop.time()
         if isinstance(msg, Error):
             done.set_exception(PeerGone(f"{addr} answered {msg.code}: {msg.message}"))
         else:
@@ -298,9 +304,11 @@ async def _streamed(addr: str, cfg: NodeConfig, secret: bytes | None, message: M
         message = message.replace(id=conn.next_id())
         await conn.send(message)
         closed = conn.reader_task
-        finished, _ = await asyncio.wait({done, closed}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if done not in finished:
-            raise PeerGone(f"{addr} closed the connection" if closed in finished else f"no answer within {timeout}s")
+        while not done.done() and not closed.done() and (left := heard + timeout - loop.time()) > 0:
+            await asyncio.wait({done, closed}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            raise PeerGone(f"{addr} closed the connection" if closed.done() else
+                           f"{addr} sent nothing for this request in {timeout:g}s: raise --timeout if it is slow")
         return done.result()
     finally:
         pinger.cancel()

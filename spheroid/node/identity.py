@@ -34,8 +34,11 @@ class Identity:
 def load_or_create(path: str | os.PathLike) -> Identity:
     """The identity in `path`, created on first use; IdentityError if another process holds it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock_fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise IdentityError(f"cannot keep the identity {path} (--identity) there: {exc.strerror or exc}") from exc
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

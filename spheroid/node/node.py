@@ -59,6 +59,7 @@ CLIENTS = "clients"  # the one accounting label of all client connections (statu
 DIALS_AT_ONCE = 16  # dials to learned peers in flight at once
 SETTLED_FANOUT = 2  # peers a node connected to all it knows asks for peer lists once membership settles
 RTT_EVERY = 15  # ping intervals between the pings a node sends to a peer that dialled it (for the RTT)
+SERVING_REQUESTS = ("generate", "score")  # requests only a serving node answers
 LOOP_RESTART_S = 5.0  # pause before a background loop that failed starts again
 # bytes of large frames read into buffers of their own, all connections together (beyond it, a
 # frame waits in its connection's scratch buffer as its bytes arrive)
@@ -129,10 +130,15 @@ def ssl_contexts(cfg: NodeConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext
     """(server, client) TLS contexts, or (None, None) without --tls-cert. A CA makes TLS mutual."""
     if not cfg.tls_cert:
         return None, None
-    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=cfg.tls_ca)
-    server.load_cert_chain(cfg.tls_cert, cfg.tls_key)
-    client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.tls_ca)
-    client.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    try:
+        server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=cfg.tls_ca)
+        server.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        client = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cfg.tls_ca)
+        client.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    except ssl.SSLError as exc:  # (its own text, "[SSL] PEM lib", names no file)
+        files = ", ".join(f for f in (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) if f)
+        raise ValueError(f"cannot load TLS from {files}: {exc.reason or exc}; give a PEM certificate "
+                         f"(--tls-cert), its private key (--tls-key) and a PEM CA (--tls-ca)") from exc
     client.check_hostname = False  # peers are addressed by IP; the swarm's CA is what is trusted
     if cfg.tls_ca:
         server.verify_mode = ssl.CERT_REQUIRED
@@ -279,7 +285,10 @@ class Node:
             host, port = parse_addr(addr)
             conn = await dial(host, port, self.traffic, self._session(dialler=True), self.cfg.timeout, self._ssl_client)
         except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
-            log.debug("cannot reach %s: %r", addr, exc)
+            if addr in self.cfg.peers:  # (a seed the user gave: a typo would otherwise leave the node alone)
+                self.quiet.log(logging.WARNING, f"seed {addr}", "cannot reach --peer %s: %s", addr, exc)
+            else:
+                log.debug("cannot reach %s: %r", addr, exc)
             self._dialing.discard(addr)
             return None
         admitted = asyncio.get_running_loop().create_future()
@@ -395,6 +404,10 @@ class Node:
     async def _handle(self, conn: Connection, msg: Message) -> None:
         """Route a message by its type to the one handler registered for it."""
         handler = self.handlers.get(msg.t)
+        if handler is None and msg.t in SERVING_REQUESTS:  # (a client asked the wrong node: it may ask another)
+            text = f"this node serves no blocks: send {msg.t} to a node started with --serve A-B --checkpoint DIR"
+            await conn.send(Error(re=msg.id, code="no_route", message=text))
+            return
         if handler is None:
             raise ProtocolError("unexpected", f"a node does not accept {msg.t} here")
         await handler(conn, msg)
