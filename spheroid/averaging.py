@@ -85,6 +85,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .progress import QuietLog
+
 log = logging.getLogger(__name__)
 
 # config name -> wire codec
@@ -432,6 +434,7 @@ class Replica:
     rng: random.Random = field(default_factory=random.Random)  # picks the owner's cell whose digests it checks
 
     def __post_init__(self) -> None:
+        self.quiet = QuietLog(log)  # (refusals: a peer may send any number of bad messages)
         self.announced: dict[str, tuple[Version, bool]] = {}  # peer -> (its version, reached by a round?)
         self.joiners: dict[str, Version] = {}  # peers not in step that said they will send parts from a version
         self.owed: torch.Tensor | None = None  # (P,) error feedback: what the codec lost of ranges averaged here
@@ -539,8 +542,8 @@ class Replica:
             self.counters.late += 1
         else:
             self.counters.rejected += 1
-        log.warning("%s from %s for round %d refused: %s", type(message).__name__.lower(), message.sender[:8],
-                    message.round, reason)
+        self.quiet.log(logging.WARNING, "refused", "%s from %s for round %d refused: %s",
+                       type(message).__name__.lower(), message.sender[:8], message.round, reason)
         return reason
 
     def _hold(self, m: Part | Reduced, now: float | None) -> str:
@@ -550,8 +553,8 @@ class Replica:
         per_sender = math.isqrt(len(self.expected) + 1) + 3
         if key not in self.held and (sum(k[1] == m.sender for k in self.held) >= per_sender
                                      or len(self.held) >= per_sender * (len(self.expected) + 16)):
-            log.warning("%s from %s for round %d dropped: too many held already", type(m).__name__.lower(),
-                        m.sender[:8], m.round)
+            self.quiet.log(logging.WARNING, "dropped", "%s from %s for round %d dropped: too many held already",
+                           type(m).__name__.lower(), m.sender[:8], m.round)
             return "too many held"
         self.held[key] = (m, now)
         return "held"

@@ -1,4 +1,5 @@
-"""Progress lines for long work: how far, how fast, and when it will be done."""
+"""Log lines that must neither go silent nor flood: progress of long work (how far, how fast, when
+it will be done), and lines that can repeat without bound (QuietLog)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,23 @@ class Progress:
         eta = (self.total - done) / rate if rate > 0 else float("inf")
         self.log.info("%s: %d/%d %s, %.1f %s/s, eta %s", self.what, done, self.total, self.unit, rate, self.unit,
                       duration(eta) if eta != float("inf") else "?")
+
+
+class QuietLog:
+    """Log lines that can repeat without bound (one per fake peer, per refused connection) at most
+    `burst` times per kind and `period`, then one line saying how many were left out."""
+
+    def __init__(self, logger: logging.Logger, burst: int = 5, period: float = 10.0) -> None:
+        self.logger, self.burst, self.period = logger, burst, period
+        self._window: dict[str, tuple[float, int]] = {}  # kind -> (window start, lines in it)
+
+    def log(self, level: int, kind: str, text: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        start, count = self._window.get(kind, (now, 0))
+        if now - start >= self.period:
+            if count > self.burst:
+                self.logger.log(level, "(%d more %s lines in %.0fs left out)", count - self.burst, kind, now - start)
+            start, count = now, 0
+        self._window[kind] = (start, count + 1)
+        if count < self.burst:
+            self.logger.log(level, text, *args, exc_info=exc_info)

@@ -13,9 +13,10 @@ import torch
 from spheroid.config import NodeConfig
 from spheroid.node import node as node_module
 from spheroid.node.accounting import Traffic
-from spheroid.node.connection import Connection, PeerRefused, PeerSilent, dial, listen
+from spheroid.node.connection import Connection, PeerGone, PeerRefused, PeerSilent, dial, listen
 from spheroid.node.identity import load_or_create
-from spheroid.node.node import Node, QuietLog, open_session
+from spheroid.node.node import Node, open_session
+from spheroid.progress import QuietLog
 from spheroid.wire import encode, stream_frames
 from spheroid.wire.messages import Message, Peers, PeersReply
 
@@ -239,6 +240,45 @@ def test_a_stream_that_stops_arriving_is_refused_and_its_budget_returned(tmp_pat
     held, after, stalled, over_half = asyncio.run(scenario())
     assert held == 100 << 20 and stalled == "stalled" and after == 0
     assert over_half == "too_large"  # a stream over half the budget, on one connection
+
+
+def test_a_client_waits_for_a_long_generation_as_long_as_its_bytes_come(tmp_path):
+    """--timeout bounds the wait for the next message of an answer, not the whole answer: bytes every
+    0.3 s for 2 s arrive with a timeout of 1 s; a node that then says nothing for 1 s fails the request."""
+    from spheroid.node.client import remote_generate
+    from spheroid.wire.messages import GenBytes, GenDone
+
+    async def scenario() -> tuple[dict, str]:
+        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"))
+        node = Node(cfg, load_or_create(cfg.identity))
+        silent_after = iter([7, 2])  # messages of bytes before the node goes quiet, per request
+
+        async def generate(conn: Connection, msg: Message) -> None:
+            async def answer() -> None:
+                for _ in range(next(silent_after)):
+                    await asyncio.sleep(0.3)
+                    await conn.send(GenBytes(re=msg.id, data=b"ab"))
+                if msg.n_bytes == 14:
+                    await conn.send(GenDone(re=msg.id, bytes=14, traversals=7, route=[]))
+            node.spawn(answer())
+
+        node.handlers["generate"] = generate
+        await node.start()
+        try:
+            client = NodeConfig(role="client", timeout=1.0)
+            request = {"prompt": b"x", "mode": "ar", "k": 1, "temperature": 0.0, "seed": 0, "route": []}
+            done = await remote_generate(cfg.listen, client, {**request, "n_bytes": 14}, timeout=1.0)
+            try:
+                await remote_generate(cfg.listen, client, {**request, "n_bytes": 4}, timeout=1.0)
+            except PeerGone as exc:
+                return done, str(exc)
+            return done, ""
+        finally:
+            await node.stop()
+
+    done, error = asyncio.run(scenario())
+    assert done["data"] == b"ab" * 7 and done["traversals"] == 7
+    assert "sent nothing for this request in 1s: raise --timeout if it is slow" in error
 
 
 def test_a_background_loop_that_fails_logs_and_starts_again(tmp_path, monkeypatch, caplog):

@@ -95,8 +95,8 @@ class Averager:
 
     async def on_update(self, conn: Connection, msg: messages.Message) -> None:
         if msg.block != self.block:
-            log.warning("update from %s is for block %d; this node trains block %d", conn.label[:8], msg.block,
-                        self.block)
+            self.node.quiet.log(logging.WARNING, "other block", "update from %s is for block %d; this node trains "
+                                "block %d", conn.label[:8], msg.block, self.block)
             return
         self.replica.offer(Part(conn.label, msg.round, msg.base, msg.samples, msg.lo, msg.hi, msg.tensor,
                                 age=msg.age), time.monotonic())
@@ -104,8 +104,8 @@ class Averager:
 
     async def on_reduced(self, conn: Connection, msg: messages.Message) -> None:
         if msg.block != self.block or not all(isinstance(c, str) for c in msg.others):
-            log.warning("reduced range from %s refused: block %d, or contributors that are not node ids",
-                        conn.label[:8], msg.block)
+            self.node.quiet.log(logging.WARNING, "other block", "reduced range from %s refused: block %d, or "
+                                "contributors that are not node ids", conn.label[:8], msg.block)
             return
         who = Contributors(msg.group, msg.members, tuple(msg.others))
         self.replica.offer(Reduced(conn.label, msg.round, msg.base, msg.lo, msg.hi, who, msg.samples, msg.tensor,

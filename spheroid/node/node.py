@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..checkpoint import atomic_write
 from ..config import NodeConfig, parse_addr
+from ..progress import QuietLog
 from ..wire import VERSION, ProtocolError, encode
 from ..wire.codec import Budget
 from ..wire.messages import (
@@ -81,26 +82,6 @@ class PeerInfo:
 
     def entry(self) -> dict:
         return {"node": self.node, "addr": self.addr, "role": self.role, "blocks": self.blocks, "serves": self.serves}
-
-
-class QuietLog:
-    """Log lines that can repeat without bound (one per fake peer, per refused connection) at most
-    `burst` times per kind and `period`, then one line saying how many were left out."""
-
-    def __init__(self, logger: logging.Logger, burst: int = 5, period: float = 10.0) -> None:
-        self.logger, self.burst, self.period = logger, burst, period
-        self._window: dict[str, tuple[float, int]] = {}  # kind -> (window start, lines in it)
-
-    def log(self, level: int, kind: str, text: str, *args: object) -> None:
-        now = time.monotonic()
-        start, count = self._window.get(kind, (now, 0))
-        if now - start >= self.period:
-            if count > self.burst:
-                self.logger.log(level, "(%d more %s lines in %.0fs left out)", count - self.burst, kind, now - start)
-            start, count = now, 0
-        self._window[kind] = (start, count + 1)
-        if count < self.burst:
-            self.logger.log(level, text, *args)
 
 
 def tune_allocator() -> None:

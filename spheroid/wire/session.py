@@ -29,6 +29,7 @@ from enum import Enum
 
 import torch
 
+from ..progress import QuietLog
 from .codec import MAX_FRAME, Budget, Decoder, encode, encode_pieces
 from .errors import ProtocolError
 from .messages import INLINE, STREAM_FIELDS, VERSION, Auth, Error, Hello, Message, from_wire, validate
@@ -37,6 +38,7 @@ from .tensors import DTYPES
 
 NODE_ID = re.compile(r"[0-9a-f]{32}")  # a node id: 32 lowercase hex digits
 log = logging.getLogger(__name__)
+QUIET = QuietLog(log)  # (what any peer can make this log, at most a few lines a kind per period)
 HANDSHAKE_MAX_FRAME = 64 << 10  # a peer that has not finished the handshake cannot make us buffer more
 NONCE_BYTES = 16
 LABEL = b"spheroid-handshake-v2"
@@ -217,7 +219,7 @@ class Session:
             if not events:
                 raise
         except Exception as exc:  # a check this code lacks: still the peer's bytes, not a reason to crash
-            log.exception("a frame from the peer could not be handled")
+            QUIET.log(logging.ERROR, "unhandled frame", "a frame from the peer could not be handled", exc_info=True)
             self.error = ProtocolError("bad_frame", f"the frame could not be decoded: {exc!r}")
             if not events:
                 raise self.error from None
