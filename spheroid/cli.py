@@ -97,8 +97,8 @@ def command(func):
             if debug:
                 raise
             raise Failure(str(exc)) from exc
-        except RuntimeError as exc:  # (torch's allocator says so in a RuntimeError)
-            if debug or "can't allocate memory" not in str(exc):
+        except RuntimeError as exc:  # (torch's allocators say so in a RuntimeError)
+            if debug or not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
                 raise
             wanted = re.search(r"allocate (\d+) bytes", str(exc))
             size = f" ({int(wanted.group(1)) / 2**30:.1f} GiB at once)" if wanted else ""
@@ -548,7 +548,8 @@ def client_config(swarm: str, timeout: float, tls_cert: str | None, tls_key: str
 
 # control characters but newline and tab, shown as \xNN: bytes from a remote node must not drive the
 # user's terminal (escape sequences)
-CONTROLS = {c: f"\\x{c:02x}" for c in [*range(32), *range(0x7F, 0xA0)] if c not in (9, 10)}
+CONTROLS = {c: "".join(f"\\x{b:02x}" for b in chr(c).encode()) for c in [*range(32), *range(0x7F, 0xA0)]
+            if c not in (9, 10)}
 
 
 class ByteWriter:
@@ -851,7 +852,7 @@ def check_node_flags(flags: list[str]) -> None:
     node_run_config(params["config_file"], {k: v for k, v in params.items() if "__" in k})
 
 
-SWARM_SETS = ("--block", "--n-blocks", "--listen", "--peer", "--identity", "--out", "--data")  # per node, by `swarm`
+SWARM_SETS = ("--block", "--n-blocks", "--listen", "--peer", "--identity", "--out")  # what `swarm` gives each node
 SWARM_REFRESH_EVERY = 100  # steps between a swarm node's refreshes of the earlier blocks it reads
 
 
@@ -886,7 +887,7 @@ def swarm(out, replicas, base_port, timeout, data_dir, node_flags) -> None:
     folder = Path(out)
     if taken := sorted({flag.split("=")[0] for flag in node_flags} & set(SWARM_SETS)):
         raise click.UsageError(f"the swarm gives each node its own {', '.join(taken)} (--replicas the blocks, --out "
-                               "the folders): leave them out of NODE_FLAGS")
+                               "its folder, and the addresses): leave them out of NODE_FLAGS")
     flags = [*node_flags, "--n-blocks", str(len(replicas))]
     check_node_flags(flags)
     with LocalSwarm(folder / "nodes", data_dir, flags) as local:

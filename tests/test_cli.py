@@ -240,7 +240,7 @@ def test_control_characters_are_shown_not_sent_to_the_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out))
     writer = ByteWriter(raw=False)
     writer.write(b"a\x1b[2Jb\tc\nd\x7f\xc2\x9b", final=True)
-    assert out.getvalue() == b"a\\x1b[2Jb\tc\nd\\x7f\\x9b"
+    assert out.getvalue() == b"a\\x1b[2Jb\tc\nd\\x7f\\xc2\\x9b"  # (U+009B's two bytes, as they came)
 
 
 def test_a_folder_with_only_an_unfinished_run_or_a_missing_block_0_says_what_it_holds(tmp_path, data_dir):

@@ -131,7 +131,8 @@ def test_a_reply_of_another_type_than_the_request_takes_fails_the_request():
 
 def test_a_stream_that_stops_arriving_is_found_stalled_after_three_timeouts():
     """A peer announces a stream and sends nothing more (its bytes stay reserved): the connection
-    says so once three timeouts passed without a frame of it, and not while frames come."""
+    says so once three timeouts passed without a frame of it, and not while frames come; so too for
+    a stream complete but never named by a message."""
     async def scenario():
         receiver, sender, socks = await connected_pair()
         try:
@@ -152,15 +153,17 @@ def test_a_stream_that_stops_arriving_is_found_stalled_after_three_timeouts():
             seen += [receiver.stream_stalled(t) for t in (31.0, 59.0, 62.0)]
             await sender._write(frames[3:])
             await until(len(frames))
-            return seen + [receiver.stream_stalled(100.0)]
+            seen += [receiver.stream_stalled(t) for t in (100.0, 131.0)]  # complete, and no message names it
+            streams.take(7)
+            return seen + [receiver.stream_stalled(200.0)]
         finally:
             for conn in (receiver, sender):
                 await conn.close()
             for sock in socks:
                 sock.close()
 
-    # (timeout 10 s: stalled past 30 s without a frame; none open at the end)
-    assert asyncio.run(scenario()) == [False, False, False, False, True, False]
+    # (timeout 10 s: stalled past 30 s without a frame, or complete and unnamed; none held at the end)
+    assert asyncio.run(scenario()) == [False, False, False, False, True, False, True, False]
 
 
 def test_tls_flags_go_together_and_a_bad_pem_names_its_files(tmp_path):

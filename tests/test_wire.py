@@ -477,3 +477,7 @@ def test_one_connection_holds_at_most_sixteen_streams_and_half_a_shared_budget()
         other.begin(begin(1, 2))
     assert budget.held == 1 << 19
     StreamAssembler(budget).begin(begin((1 << 18) // 2, 1))  # another connection takes the other half
+    asking = StreamAssembler(budget := Budget(1 << 20))
+    asking.asked = 1  # a state this side asked for may take the whole budget
+    asking.begin(begin((3 << 18) // 4, 1))
+    assert budget.held == 3 << 18

@@ -263,9 +263,13 @@ class Connection(asyncio.BufferedProtocol):
         """Send a request and wait for its reply (needs `serve` running to read replies): a message of
         the type `REPLIES` names for it, or PeerGone (an error, silence, or any other type: callers
         read the reply's fields)."""
+        if message.t not in REPLIES:
+            raise ValueError(f"{message.t} is not a request (REPLIES lists them)")
         message = message.replace(id=self.next_id())
         future = asyncio.get_running_loop().create_future()
         self._pending[message.id] = future
+        large = message.t == "state_get"  # (its reply's stream may take the whole stream budget)
+        self.session.streams.asked += large
         try:
             await self.send(message)
             async with asyncio.timeout(timeout or self.timeout):
@@ -274,6 +278,7 @@ class Connection(asyncio.BufferedProtocol):
             raise PeerGone(f"{self.label} did not answer {message.t} within {timeout or self.timeout}s") from None
         finally:
             self._pending.pop(message.id, None)
+            self.session.streams.asked -= large
         if isinstance(reply, Error):
             raise PeerGone(f"{self.label} answered {message.t} with error {reply.code}: {reply.message}")
         if reply.t != REPLIES[message.t]:
@@ -349,9 +354,9 @@ class Connection(asyncio.BufferedProtocol):
             await self.close()
 
     def stream_stalled(self, now: float) -> bool:
-        """Whether a stream the peer opened has moved by no frame for STALLED_TIMEOUTS timeouts (it
-        holds its share of the node's stream budget meanwhile). Asked now and then (the node's ping
-        loop); each call notes the stream's progress."""
+        """Whether a stream the peer opened has moved by no frame for STALLED_TIMEOUTS timeouts, or lies
+        complete and unnamed that long (it holds its share of the node's stream budget meanwhile).
+        Asked now and then (the node's ping loop); each call notes the stream's progress."""
         streams = self.session.streams
         if not streams.open or streams.progress != self._streams_moved[0]:
             self._streams_moved = (streams.progress, now)

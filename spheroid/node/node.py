@@ -60,6 +60,7 @@ CLIENTS = "clients"  # the one accounting label of all client connections (statu
 DIALS_AT_ONCE = 16  # dials to learned peers in flight at once
 SETTLED_FANOUT = 2  # peers a node connected to all it knows asks for peer lists once membership settles
 RTT_EVERY = 15  # ping intervals between the pings a node sends to a peer that dialled it (for the RTT)
+SEED_WARN_S = 5.0  # a seed that cannot be reached for this long is warned of
 SERVING_REQUESTS = ("generate", "score")  # requests only a serving node answers
 LOOP_RESTART_S = 5.0  # pause before a background loop that failed starts again
 # bytes of large frames read into buffers of their own, all connections together (beyond it, a
@@ -142,6 +143,8 @@ class Node:
         self.frames = Budget(FRAMES_IN_FLIGHT)  # large frames being read into place, all connections together
         self.unauthenticated: collections.Counter[str] = collections.Counter()  # handshakes in progress by host
         self.quiet = QuietLog(log)
+        self._pinging: set[Connection] = set()  # connections with a ping on its way (one at a time)
+        self._seeds_failing: dict[str, float] = {}  # seed address -> when dialling it first failed
         self.started = time.monotonic()
         self.boot = os.urandom(8)  # tells peers a restarted node from a second connection of this one
         self._dialing: set[str] = set()
@@ -184,8 +187,8 @@ class Node:
             try:
                 return await loop()
             except Exception:
-                log.exception("the node's %s failed; it starts again in %g s (please report this)", loop.__name__,
-                              LOOP_RESTART_S)
+                log.exception("the node's %s failed; it starts again in %g s (please report this)",
+                              loop.__name__.strip("_").removesuffix("_loop"), LOOP_RESTART_S)
                 await asyncio.sleep(LOOP_RESTART_S)
 
     async def run(self, work: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -266,12 +269,17 @@ class Node:
             host, port = parse_addr(addr)
             conn = await dial(host, port, self.traffic, self._session(dialler=True), self.cfg.timeout, self._ssl_client)
         except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
-            if addr in self.cfg.peers:  # (a seed the user gave: a typo would otherwise leave the node alone)
-                self.quiet.log(logging.WARNING, f"seed {addr}", "cannot reach --peer %s: %s", addr, exc)
+            # a seed the user gave, failing for a while (not a swarm's members starting together): a
+            # typo would otherwise leave the node alone without a word
+            failing = self._seeds_failing.setdefault(addr, time.monotonic()) if addr in self.cfg.peers else None
+            if failing is not None and time.monotonic() - failing >= SEED_WARN_S:
+                self.quiet.log(logging.WARNING, f"seed {addr}", "cannot reach --peer %s: %s", addr,
+                               str(exc) or type(exc).__name__)
             else:
                 log.debug("cannot reach %s: %r", addr, exc)
             self._dialing.discard(addr)
             return None
+        self._seeds_failing.pop(addr, None)
         admitted = asyncio.get_running_loop().create_future()
         self.spawn(self._admit(conn, admitted))
         try:
@@ -438,18 +446,24 @@ class Node:
             quiet = loop.time() - 1.5 * self.cfg.ping_interval
             for conn in [*self.conns.values(), *self.clients]:
                 info = self.known.get(conn.label)
-                if (conn.outbound or conn in self.clients or min(conn.heard, conn.said) < quiet
+                if conn not in self._pinging and (
+                        conn.outbound or conn in self.clients or min(conn.heard, conn.said) < quiet
                         or info is None or info.rtt_ms is None or beat % RTT_EVERY == 0):
-                    self.spawn(self._ping(conn))  # (each on its own: a peer that stops reading delays no other)
+                    self._pinging.add(conn)  # (each on its own: a peer that stops reading delays no other)
+                    self.spawn(self._ping(conn))
                 if conn.stream_stalled(loop.time()):
-                    self.spawn(conn.refuse(ProtocolError("stalled", f"a stream sent no frame for {STALLED_TIMEOUTS} "
-                                                                    f"x {conn.timeout:g}s")))
+                    self.spawn(conn.refuse(ProtocolError("stalled", f"a stream had no frame, or no message naming it, "
+                                                                    f"for {STALLED_TIMEOUTS} x {conn.timeout:g}s")))
             self.close_idle(time.monotonic())
 
-    @staticmethod
-    async def _ping(conn: Connection) -> None:
-        with contextlib.suppress(PeerGone):
-            await conn.send(Ping(ts=time.monotonic()))
+    async def _ping(self, conn: Connection) -> None:
+        """One ping at a time per connection: pings behind a long send would go out in a burst, and
+        their RTTs would time the send."""
+        try:
+            with contextlib.suppress(PeerGone):
+                await conn.send(Ping(ts=time.monotonic()))
+        finally:
+            self._pinging.discard(conn)
 
     def close_idle(self, now: float) -> None:
         """Close the connections reach() dialled that carried nothing but pings for reach_idle, the

@@ -141,7 +141,8 @@ class StreamAssembler:
     """Reassembles the streams of one connection within a budget (bytes), shared with other
     connections when given a `Budget` of the whole process. Of a shared budget one connection holds
     at most half, and at most MAX_STREAMS streams: one peer cannot take what all the others' streams
-    need (a stream that stops arriving is the connection's to close: `progress` says when one moved)."""
+    need (a stream that stops arriving is the connection's to close: `progress` says when one moved),
+    unless this side asked for it (`asked`: a state it requested may be as large as the budget)."""
 
     def __init__(self, budget: int | Budget = 1 << 30, limits: Limits = DEFAULT_LIMITS) -> None:
         shared = isinstance(budget, Budget)
@@ -152,11 +153,13 @@ class StreamAssembler:
         self._done: dict[int, torch.Tensor] = {}
         self.held = 0  # bytes allocated for partial and completed, untaken streams of this connection
         self.progress = 0  # stream frames placed so far (begins and chunks)
+        self.asked = 0  # replies this side is waiting for that come as one stream (state_get's): may take all
 
     @property
     def open(self) -> bool:
-        """Whether a stream is still arriving."""
-        return bool(self._partial)
+        """Whether a stream is still arriving, or complete and not yet named by a message (which
+        comes right behind its last chunk)."""
+        return bool(self._partial or self._done)
 
     def begin(self, msg: dict) -> None:
         stream, dtype, shape = msg["stream"], msg["dtype"], msg["shape"]
@@ -173,7 +176,7 @@ class StreamAssembler:
         if len(self._partial) + len(self._done) >= MAX_STREAMS:
             raise ProtocolError("too_many_streams", f"{MAX_STREAMS} streams are already open or not yet named by a "
                                                     "message on this connection")
-        if self.held + nbytes > self.share:
+        if self.held + nbytes > (self.budget.limit if self.asked else self.share):
             raise ProtocolError("too_large", f"a stream of {nbytes} bytes does not fit the receiver's budget for "
                                              f"incoming streams on one connection (this one holds {self.held} of "
                                              f"the {self.share} bytes one may hold): send it later, or in smaller "
