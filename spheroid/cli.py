@@ -446,7 +446,8 @@ def what_else(folder: Path) -> str:
     if resumable := sorted(p.name.removesuffix(".resume.json") for p in folder.glob("*.resume.json")):
         return (f": only the resumable state of an unfinished run ({', '.join(resumable)}); run the same train "
                 "command again to finish it")
-    if workers := sorted(p.name for p in folder.glob("worker-*.safetensors")):
+    if workers := sorted({p.name.split(".")[0] for p in [*folder.glob("worker-*.json"),
+                                                         *folder.glob("worker-*.safetensors")]}):
         return (f": only a swarm node's state ({', '.join(workers)}); with the swarm running, `spheroid assemble "
                 "--peer HOST:PORT --out DIR` writes the model")
     return ""

@@ -7,7 +7,10 @@ import socket
 import subprocess
 import sys
 
+import torch
+
 from spheroid import checkpoint
+from spheroid.config import RunConfig
 from spheroid.launch import free_port
 from spheroid.node.worker import pick_donor
 
@@ -87,3 +90,18 @@ def test_a_damaged_worker_checkpoint_is_refused_with_a_clear_error(tmp_path, dat
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "not a readable worker checkpoint" in proc.stderr
     assert "move it away" in proc.stderr and "Traceback" not in proc.stderr
+    # as written now: a record and the tensors it verifies, the AdamW state's too (a flipped bit there
+    # would otherwise load silently: only the parameters are checked against the state's hash)
+    record = {"version": {"round": 1, "samples": 8, "hash": "ab" * 32}, "step": 5, "block": 0, "loss": 1.0,
+              "reads": {}}
+    checkpoint.save_tensors(out, "worker-0", {"params": torch.zeros(8), "opt.exp_avg.0": torch.zeros(8)}, RunConfig(),
+                            record)
+    assert not (out / "worker-0.safetensors").exists()  # (the one-file checkpoint gave way)
+    [tensors] = out.glob("worker-0.*.safetensors")
+    blob = bytearray(tensors.read_bytes())
+    blob[-1] ^= 1
+    tensors.write_bytes(bytes(blob))
+    proc = subprocess.run([sys.executable, "-m", "spheroid", "node", "--block", "0", "--data", str(data_dir),
+                           "--identity", str(tmp_path / "id.json"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "does not match the sha256" in proc.stderr and tensors.name in proc.stderr

@@ -4,8 +4,9 @@ The round logic lives in spheroid/averaging.py (sans I/O); this module is its as
 streams updates to the peers that hold the same block, feeds what arrives into the `Replica`,
 closes rounds at their deadline, announces the resulting `Version`, fetches a preferred state from
 the peer that announced it (a joiner, a restarted or a diverged replica), serves its own state to
-others, and checkpoints after every round (one safetensors file: parameters, the outer momentum,
-the AdamW state and the version, written atomically). Optimizer state never leaves the node.
+others, and checkpoints after every round (OUT/worker-B.json and the weights file it names and
+verifies: parameters, the outer momentum, the AdamW state; the version and the step in the
+record). Optimizer state never leaves the node.
 
 A block that reads the blocks before it (chain states, the relay channel) holds frozen copies of
 them. Their holders announce their versions to it too; it fetches the preferred version of each
@@ -35,11 +36,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save as save_safetensors
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from .. import checkpoint
 from ..averaging import CODECS, AveragingConfig, Closed, Replica, SharedState, Version, state_hash
-from ..checkpoint import CheckpointError, atomic_write
+from ..checkpoint import CheckpointError
 from ..config import REFRESH_CODECS, RunConfig
 from ..data import random_windows
 from ..train import (
@@ -309,7 +310,8 @@ class BlockWorker:
     def __init__(self, node: Node, cfg: RunConfig, averaging: AveragingConfig, block: int, data: torch.Tensor,
                  out: Path) -> None:
         self.node, self.cfg, self.avg, self.block, self.data = node, cfg, averaging, block, data
-        self.path = Path(out) / f"worker-{block}.safetensors"
+        self.out, self.name = Path(out), f"worker-{block}"  # its checkpoint: OUT/worker-B.json and its weights
+        self.legacy = self.out / f"{self.name}.safetensors"  # (one file, as nodes wrote it before)
         # every replica starts from the same genesis state; the earlier blocks it reads, from theirs
         self.module, self.loss_fn, self.earlier = block_trainer(cfg, block, None, torch.device("cpu"))
         self.opt = make_optimizer(self.module, cfg)
@@ -325,7 +327,8 @@ class BlockWorker:
         self.left: float | None = None
         self.n_params = sum(p.numel() for p in self.module.parameters())
         genesis = self.params()  # (readers of this block start from it too: changes since it are sent)
-        state = self._resume() if self.path.exists() else self._genesis()
+        saved = (self.out / f"{self.name}.json").exists() or self.legacy.exists()
+        state = self._resume() if saved else self._genesis()
         self.fresh = state.version.round == 0 and self.step == 0
         # synced: reached its state by a round (or genesis) and still training, not by a fetch, a
         # restart, or done; what it keeps of its own tensors went through the wire codec, as peers see them
@@ -371,42 +374,56 @@ class BlockWorker:
             del self.recent[next(iter(self.recent))]
 
     def save(self) -> None:
-        """Checkpoint the shared state, the AdamW state and the step, atomically, in one file."""
+        """Checkpoint the shared state, the AdamW state and the step, atomically, as any checkpoint
+        (spheroid/checkpoint.py: a JSON record with the configuration, and the tensors it verifies)."""
         state = self.replica.state
         tensors = {"params": state.params.contiguous()}
         if state.momentum is not None:
             tensors["momentum"] = state.momentum.contiguous()
         tensors.update(optimizer_tensors(self.opt))
-        meta = {"version": json.dumps(state.version.to_wire()), "step": str(self.step), "block": str(self.block),
-                "loss": repr(self.loss), "config": self.cfg.to_json(),
-                "reads": json.dumps(self.upstream.status()["reads"])}
-        atomic_write(self.path, save_safetensors(tensors, metadata=meta))
+        record = {"version": state.version.to_wire(), "step": self.step, "block": self.block, "loss": self.loss,
+                  "reads": self.upstream.status()["reads"]}
+        checkpoint.save_tensors(self.out, self.name, tensors, self.cfg, record)  # (and the legacy file goes)
 
-    def _resume(self) -> SharedState:
+    def _saved(self) -> tuple[RunConfig, dict, dict[str, torch.Tensor]]:
+        """The saved configuration, record and tensors: from the JSON record (everything verified), or
+        from a checkpoint of one file with its record in the metadata, as nodes wrote it before."""
+        if (self.out / f"{self.name}.json").exists():
+            entry = checkpoint.load(self.out, self.name)
+            return entry.config, entry.state, entry.tensors
         try:
-            with safe_open(str(self.path), framework="pt") as f:
+            with safe_open(str(self.legacy), framework="pt") as f:
                 meta = f.metadata() or {}
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
-            saved = RunConfig.from_json(meta["config"])
-            version = Version(**json.loads(meta["version"]))
-            step, block = int(meta["step"]), int(meta["block"])
-            loss = float(meta.get("loss", "nan"))  # so a resumed node shows its last loss before its next step
+            record = {"version": json.loads(meta["version"]), "step": int(meta["step"]),
+                      "block": int(meta["block"]), "loss": float(meta.get("loss", "nan"))}
+            return RunConfig.from_json(meta["config"]), record, tensors
         except (SafetensorError, OSError, KeyError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"{self.path} is not a readable worker checkpoint ({exc}); move it away to "
+            raise CheckpointError(f"{self.legacy} is not a readable worker checkpoint ({exc}); move it away to "
                                   f"start this block from the swarm") from exc
+
+    def _resume(self) -> SharedState:
+        saved, record, tensors = self._saved()
+        try:
+            version = Version(**record["version"])
+            step, block = int(record["step"]), int(record["block"])
+            loss = float(record.get("loss", math.nan))  # so a resumed node shows its last loss before its next step
+        except (KeyError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"{self.out}/{self.name}: a malformed record ({exc}); move it away to start this "
+                                  f"block from the swarm") from exc
         if block != self.block or not same_run(saved, self.cfg):
-            raise CheckpointError(f"{self.path} holds block {block} of another model or noise schedule; give "
-                                  f"this node another --out")
+            raise CheckpointError(f"{self.out}/{self.name} holds block {block} of another model or noise schedule; "
+                                  f"give this node another --out")
         try:
             version = from_protocol_8(version, tensors["params"], tensors.get("momentum"))
             state = SharedState.unpack(version, SharedState.pack(tensors["params"], tensors.get("momentum")),
                                        self.n_params)
         except (KeyError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"{self.path}: {exc}; the file is damaged") from exc
+            raise CheckpointError(f"{self.out}/{self.name}: {exc}; the file is damaged") from exc
         self.set_params(state.params)
         load_optimizer_tensors(self.opt, tensors)
         self.step, self.loss = step, loss
-        log.info("block %d resumed from %s: round %d, step %d, loss %.4f, state %s", self.block, self.path,
+        log.info("block %d resumed from %s: round %d, step %d, loss %.4f, state %s", self.block, self.out,
                  version.round, step, loss, version.hash[:12])
         return state
 
@@ -518,7 +535,7 @@ class BlockWorker:
         self.set_params(local)  # (carry: this node's progress that was not averaged)
         self._keep(closed.state)
         self.save()
-        with self.path.with_suffix(".history.jsonl").open("a") as f:  # the loss history, kept whole
+        with (self.out / f"{self.name}.history.jsonl").open("a") as f:  # the loss history, kept whole
             f.write(json.dumps({**self.history[-1], "step": self.step, "loss": self.loss, "ce": self.ce,
                                 "time": time.time()}) + "\n")
         log.info("block %d round %d closed with %d update(s); state %s", self.block, closed.state.version.round,
