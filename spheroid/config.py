@@ -272,6 +272,8 @@ class NodeConfig:
     handshake_timeout: float = 10.0  # a connection must finish its handshake within this
     max_unauthenticated: int = 128  # connections in their handshake at once, in all
     max_unauthenticated_per_host: int = 32  # ... and from one source address
+    max_clients: int = 256  # client connections (status, generate, ...) open at once, in all
+    max_clients_per_host: int = 64  # ... and from one source address
     max_peers: int = 64  # connections it dials
     # a connection that reach() dialled (averaging with a peer beyond those) is closed once it has
     # carried nothing but pings this long while the node holds more than max_peers connections

@@ -18,7 +18,7 @@ from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node, open_session
 from spheroid.progress import QuietLog
 from spheroid.wire import encode, stream_frames
-from spheroid.wire.messages import Message, Peers, PeersReply
+from spheroid.wire.messages import Message, Peers, PeersReply, Status
 
 from .nodes import NodeProcess, RawPeer, free_port, hello, wait_until
 
@@ -240,6 +240,53 @@ def test_a_stream_that_stops_arriving_is_refused_and_its_budget_returned(tmp_pat
     held, after, stalled, over_half = asyncio.run(scenario())
     assert held == 100 << 20 and stalled == "stalled" and after == 0
     assert over_half == "too_large"  # a stream over half the budget, on one connection
+
+
+def test_client_connections_are_capped_in_all_and_per_host(tmp_path):
+    """Past the handshake, clients cost a connection each for as long as they ping: beyond
+    max_clients (or max_clients_per_host from one address) a new one is told `busy` and closed;
+    once one leaves, another gets in."""
+    async def client(cfg: NodeConfig) -> Connection:
+        host, port = cfg.listen.split(":")
+        me = {"node": os.urandom(16).hex(), "addr": "", "role": "client", "blocks": [], "boot": b"12345678"}
+        conn = await dial(host, int(port), Traffic(), open_session(me, cfg, None, True, 1 << 20), 10.0)
+        await conn.open()
+        return conn
+
+    async def answer(conn: Connection) -> str:
+        """What the node says to a client that asks its status: its status, or the error it closes with."""
+        try:
+            await conn.send(Status(id=conn.next_id()))
+            async with asyncio.timeout(10):
+                while (message := await conn.recv()).t not in ("status_reply", "error"):
+                    pass
+            return message.t if message.t == "status_reply" else message.code
+        except PeerGone:
+            return "gone"
+
+    async def scenario() -> list[str]:
+        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"), max_clients=3,
+                         max_clients_per_host=2)
+        node = Node(cfg, load_or_create(cfg.identity))
+        await node.start()
+        try:
+            first, second = await client(cfg), await client(cfg)
+            said = [await answer(first), await answer(second)]
+            third = await client(cfg)  # (127.0.0.1's third: over its share, though the node has room)
+            said.append(await answer(third))
+            await first.close()
+            async with asyncio.timeout(10):
+                while len(node.clients) > 1:
+                    await asyncio.sleep(0.01)
+            fourth = await client(cfg)
+            said.append(await answer(fourth))
+            for conn in (second, third, fourth):
+                await conn.close()
+            return said
+        finally:
+            await node.stop()
+
+    assert asyncio.run(scenario()) == ["status_reply", "status_reply", "busy", "status_reply"]
 
 
 def test_a_client_waits_for_a_long_generation_as_long_as_its_bytes_come(tmp_path):

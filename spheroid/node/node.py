@@ -320,6 +320,12 @@ class Node:
             await conn.close()
             return
         if hello.role == "client":
+            from_there = sum(c.host == conn.host for c in self.clients)
+            if len(self.clients) >= self.cfg.max_clients or from_there >= self.cfg.max_clients_per_host:
+                self.quiet.log(logging.WARNING, "clients", "refused a client from %s: %d clients (%d from there)",
+                               conn.host, len(self.clients), from_there)
+                await conn.refuse(ProtocolError("busy", "too many clients connected; try again later"))
+                return
             self.traffic.relabel(conn.label, CLIENTS)
             conn.label = CLIENTS
             self.clients.add(conn)
