@@ -177,6 +177,10 @@ class RunConfig:
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    def __post_init__(self) -> None:
+        if self.train.chunks and max(self.train.chunks) > self.model.context:
+            raise ValueError(f"chunk sizes {list(self.train.chunks)} must be at most the context, {self.model.context}")
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -131,9 +131,7 @@ def chain_state_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook
 
 def chunk_sampler(cfg: RunConfig) -> Callable[[torch.Generator], int]:
     """The chunk size K of each batch: the model's, or one drawn from train.chunks (mixed K)."""
-    chunks = cfg.train.chunks or (cfg.model.chunk,)
-    if max(chunks) > cfg.model.context:
-        raise ValueError(f"chunk sizes {list(chunks)} must be at most the context, {cfg.model.context}")
+    chunks = cfg.train.chunks or (cfg.model.chunk,)  # (RunConfig keeps them within the context)
     return lambda gen: chunks[int(torch.randint(len(chunks), (1,), generator=gen))] if len(chunks) > 1 else chunks[0]
 
 

@@ -119,6 +119,7 @@ BAD = {
     "a peer address without a port": ["status", "--peer", "garbage"],
     "a NaN relay loss": ["train", "--block", "0", "--relay-loss", "nan"],
     "an infinite sigma_max": ["train", "--block", "0", "--sigma-max", "inf"],
+    "mixed chunk sizes over the context": ["train", "--block", "0", "--context", "32", "--chunks", "1,64"],
     "a log file in a folder that does not exist": ["eval", ".", "--log-file", "/nonexistent/folder/log"],
 }
 if not torch.cuda.is_available():
