@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,15 +13,16 @@ import time
 import pytest
 import torch
 
-from spheroid.chain import generate
+from spheroid.chain import generate, next_traversal
 from spheroid.config import NodeConfig
 from spheroid.node.client import remote_generate, remote_score
 from spheroid.node.connection import PeerGone
 from spheroid.node.serving import Batcher
 from spheroid.pipeline import Hop, NoRoute, build_route, check_route, parse_blocks, serving_range
 from spheroid.train import load_chain
+from spheroid.wire import encode
 
-from .nodes import NodeProcess, handshake_then, stop_all, wait_until
+from .nodes import NodeProcess, RawPeer, handshake_then, hello, stop_all, wait_until
 
 CLIENT = NodeConfig(role="client", timeout=20)
 
@@ -234,8 +236,6 @@ def test_bad_requests_get_a_clear_error_and_the_nodes_keep_serving(servers, requ
 
 
 def test_malformed_hops_and_oversized_frames_leave_the_pipeline_serving(servers):
-    from spheroid.wire import encode
-
     head, _, _ = pipeline(servers)
     bad_hop = {"t": "hop", "id": 7, "session": "s", "traversal": 0, "route": [["x"]], "at": 0, "coordinator": ["y"],
                "model": "m", "ctx": b"ab", "start": 1, "n_noisy": 1, "chunk": 1, "temperature": 0.0, "seed": 0}
@@ -243,6 +243,61 @@ def test_malformed_hops_and_oversized_frames_leave_the_pipeline_serving(servers)
     got = handshake_then(head.addr, b"\xff\xff\xff\xff" + b"x" * 64)  # a frame header claiming 4 GiB
     assert got[-1]["t"] == "error" and got[-1]["code"] == "too_large"
     assert len(ask(head.addr)["data"]) == 24
+
+
+def test_the_batcher_refuses_hops_beyond_its_queue_as_busy():
+    """A peer sending hops faster than they run meets a bound: hops past max_queued are refused (their
+    coordinator routes around this node) and the queued ones still run."""
+    def compute(hops: list[str]) -> list:
+        return [h.upper() for h in hops]
+
+    async def main() -> list:
+        batcher = Batcher(compute, asyncio.ensure_future, {"batches": 0}, max_hops=2, max_queued=3)
+        batcher.busy = True  # (a batch is running: every hop below waits)
+        waiting = [asyncio.ensure_future(batcher.run(f"s{i}", f"s{i}", 1)) for i in range(3)]
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="busy: 3 hops wait"):
+            await batcher.run("late", "late", 1)
+        batcher.busy = False
+        asyncio.ensure_future(batcher._drain())
+        return await asyncio.gather(*waiting)
+
+    assert asyncio.run(main()) == ["S0", "S1", "S2"]
+
+
+def test_a_hop_never_makes_a_node_dial_an_address_it_names(servers):
+    """A hop's route and coordinator carry addresses, but a serving node reaches the next node and the
+    coordinator only over connections it has or at addresses membership gave it: a peer could
+    otherwise make it dial any host and port. Hops from a client are refused."""
+    head = servers("head", "0-1")
+    serving = wait_until(lambda: head.status()["serving"], 60, "serving")
+    traps = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]  # where the hop says to go
+    for trap in traps:
+        trap.setblocking(False)
+    addrs = [f"127.0.0.1:{t.getsockname()[1]}" for t in traps]
+    t = next_traversal(bytearray(b"The "), 1, 1, 0, serving["context"])
+    hop = {"t": "hop", "id": 2, "session": "ab" * 8, "traversal": 0, "at": 0, "model": serving["model"],
+           "route": [[head.status()["node"], head.addr, 0, 1], ["f" * 32, addrs[0], 2, 3]],
+           "coordinator": ["e" * 32, addrs[1], 0, 0], "ctx": t.ctx, "start": t.start, "n_noisy": t.n_noisy,
+           "chunk": t.chunk, "temperature": 0.0, "seed": 0}
+    peer = RawPeer(head.addr)
+    try:
+        peer.send(hello(role="worker", addr=""))
+        peer.receive()
+        peer.send(hop)
+        wait_until(lambda: head.status()["serving"]["failed_hops"] == 1, 30, "the hop to fail at its second node")
+        assert head.status()["serving"]["hops"] == 1  # it ran its part, then could not reach the next
+        time.sleep(1.0)
+        for trap in traps:
+            with pytest.raises(BlockingIOError):
+                trap.accept()  # nobody dialled there
+        got = handshake_then(head.addr, encode({**hop, "id": 3}))  # a client's hop
+        assert got[-1]["t"] == "error" and got[-1]["code"] == "unexpected"
+        assert head.status()["serving"]["hops"] == 1
+    finally:
+        peer.close()
+        for trap in traps:
+            trap.close()
 
 
 def test_session_cache_is_bounded_and_expires():

@@ -54,7 +54,7 @@ from ..pipeline import Hop, NoRoute, build_route, check_route, serving_range
 from ..train import block_from, load_reference
 from ..wire import ProtocolError, messages
 from .connection import Connection, PeerGone
-from .node import Node
+from .node import CLIENTS, Node
 
 log = logging.getLogger(__name__)
 
@@ -175,18 +175,23 @@ class Batcher:
     idle node runs a hop at once, alone, so one session waits for nothing.
 
     `compute` maps a list of hops to a list of results, an exception standing for a refused hop.
+    At most `max_queued` hops wait (each holds its tensor): one more is refused as busy, and its
+    coordinator routes around this node, rather than the node growing without bound under a peer
+    that sends hops faster than they run.
     """
 
     def __init__(self, compute: Callable[[list], list], spawn: Callable, counters: dict, max_hops: int = 32,
-                 max_positions: int = 2048) -> None:
+                 max_positions: int = 2048, max_queued: int = 128) -> None:
         self.compute, self.spawn, self.counters = compute, spawn, counters
-        self.max_hops, self.max_positions = max_hops, max_positions
+        self.max_hops, self.max_positions, self.max_queued = max_hops, max_positions, max_queued
         self.queue: list[tuple[object, str, int, asyncio.Future]] = []
         self.busy = False
 
     async def run(self, hop: object, session: str, positions: int) -> object:
         """The result of `hop` (of `session`, over about `positions` positions) once its batch has run;
-        raises what refused it."""
+        raises what refused it (ValueError when `max_queued` hops wait already)."""
+        if len(self.queue) >= self.max_queued:
+            raise ValueError(f"busy: {len(self.queue)} hops wait here already")
         future = asyncio.get_running_loop().create_future()
         self.queue.append((hop, session, positions, future))
         if not self.busy:
@@ -241,7 +246,8 @@ class PipelineServer(ABC):
         node.serving_model = model_id
         self.hop_timeout, self.retries = hop_timeout, retries
         self.sessions = SessionCache(int(cache_mb * 2**20), session_ttl)
-        self.waiting: dict[tuple[str, int], asyncio.Future] = {}
+        # (session, traversal) -> the answer awaited, and the route whose nodes may give it
+        self.waiting: dict[tuple[str, int], tuple[asyncio.Future, list[Hop]]] = {}
         self.counters = {"hops": 0, "requests": 0, "traversals": 0, "failed_hops": 0, "reroutes": 0,
                          "relayed_rows": 0, "batches": 0}
         self.batcher = Batcher(self._compute_batch, node.spawn, self.counters)
@@ -313,7 +319,7 @@ class PipelineServer(ABC):
             route = self.route(requested, exclude)
             key = (fields["session"], traversal)
             future = asyncio.get_running_loop().create_future()
-            self.waiting[key] = future
+            self.waiting[key] = future, route
             hop = messages.Hop(traversal=traversal, route=[h.to_wire() for h in route], at=0, coordinator=me,
                                model=self.model_id, **fields)
             try:
@@ -352,24 +358,33 @@ class PipelineServer(ABC):
         answers = await asyncio.gather(*(alive(h) for h in route))
         return {h.node for h, ok in zip(route, answers, strict=True) if not ok}
 
-    async def on_hop_done(self, conn: Connection, msg: messages.Message) -> None:
-        future = self.waiting.get((msg.session, msg.traversal))
-        if future is not None and not future.done():
+    def _awaited(self, conn: Connection | None, msg: messages.Message, last: bool) -> asyncio.Future | None:
+        """The traversal's future, if `msg` may answer it: it comes from the route's last node (a
+        `hop_done`) or from one of its nodes (a `hop_error`); `conn` None: from this node itself."""
+        future, route = self.waiting.get((msg.session, msg.traversal), (None, []))
+        sender = self.node.id if conn is None else conn.label
+        if future is None or future.done() or sender not in ({route[-1].node} if last else {h.node for h in route}):
+            return None
+        return future
+
+    async def on_hop_done(self, conn: Connection | None, msg: messages.Message) -> None:
+        if (future := self._awaited(conn, msg, last=True)) is not None:
             future.set_result(msg)
 
-    async def on_hop_error(self, conn: Connection, msg: messages.Message) -> None:
-        future = self.waiting.get((msg.session, msg.traversal))
-        if future is not None and not future.done():
+    async def on_hop_error(self, conn: Connection | None, msg: messages.Message) -> None:
+        if (future := self._awaited(conn, msg, last=False)) is not None:
             future.set_exception(HopFailed(msg.node, f"hop {msg.node[:8]}: {msg.message}"))
 
     # --- hops ---------------------------------------------------------------------------------------
 
-    async def _connection(self, hop: Hop) -> Connection:
-        conn = self.node.conns.get(hop.node)
-        if conn is None or conn.closed:
-            conn = await self.node.dial(hop.addr)
-        if conn is None or conn.closed:
-            raise PeerGone(f"cannot reach {hop.node[:8]} at {hop.addr}")
+    async def _connection(self, node: str) -> Connection:
+        """The connection to a route's node or a coordinator: the open one, or one dialled at the address
+        membership knows for it (`Node.reach`), never at the address a hop gives: a peer must not make
+        this node dial any host and port it names."""
+        conn = await self.node.reach(node)
+        if conn is None:
+            raise PeerGone(f"cannot reach {node[:8]}: not connected, and no address known for it (its nodes "
+                           f"must be members of one swarm: --peer)")
         return conn
 
     async def _deliver(self, hop: Hop, msg: messages.Message, z: torch.Tensor | None = None) -> None:
@@ -378,7 +393,7 @@ class PipelineServer(ABC):
         if hop.node == self.node.id:
             self.node.spawn(self._run_hop(msg, z))
             return
-        conn = await self._connection(hop)
+        conn = await self._connection(hop.node)
         if z is None:
             await conn.send(msg)
         else:
@@ -389,9 +404,11 @@ class PipelineServer(ABC):
             await (self.on_hop_done if isinstance(msg, messages.HopDone) else self.on_hop_error)(None, msg)
             return
         with contextlib.suppress(PeerGone):
-            await (await self._connection(coordinator)).send(msg)
+            await (await self._connection(coordinator.node)).send(msg)
 
     async def on_hop(self, conn: Connection, msg: messages.Message) -> None:
+        if conn.label == CLIENTS:
+            raise ProtocolError("unexpected", "hops come from serving nodes; a client sends generate or score")
         self.node.spawn(self._run_hop(msg, msg.tensor))
 
     async def _run_hop(self, msg: messages.Message, z: torch.Tensor | None) -> None:
@@ -399,7 +416,7 @@ class PipelineServer(ABC):
             coordinator = Hop.from_wire(msg.coordinator)
             route = [Hop.from_wire(h) for h in msg.route]
         except ValueError as exc:
-            log.warning("hop with a malformed route dropped: %s", exc)
+            self.node.quiet.log(logging.WARNING, "bad hop", "hop with a malformed route dropped: %s", exc)
             return
         failed, at = self.node.id, msg.at
         try:
@@ -424,7 +441,7 @@ class PipelineServer(ABC):
                     raise
         except (ValueError, PeerGone, ProtocolError, RuntimeError) as exc:
             self.counters["failed_hops"] += 1
-            log.warning("hop of session %s failed: %s", msg.session[:8], exc)
+            self.node.quiet.log(logging.WARNING, "failed hop", "hop of session %s failed: %s", msg.session[:8], exc)
             await self._reply(coordinator, messages.HopError(session=msg.session, traversal=msg.traversal, node=failed,
                                                              message=str(exc)))
 
