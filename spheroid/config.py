@@ -279,6 +279,8 @@ class NodeConfig:
     max_clients: int = 256  # client connections (status, generate, ...) open at once, in all
     max_clients_per_host: int = 64  # ... and from one source address
     max_peers: int = 64  # connections it dials
+    max_inbound_peers: int = 256  # connections peers dialled in, in all (beyond: busy)
+    max_inbound_peers_per_host: int = 64  # ... and from one source address
     # a connection that reach() dialled (averaging with a peer beyond those) is closed once it has
     # carried nothing but pings this long while the node holds more than max_peers connections
     reach_idle: float = 60.0

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 
 from spheroid.config import NodeConfig
@@ -242,19 +243,26 @@ def test_a_stream_that_stops_arriving_is_refused_and_its_budget_returned(tmp_pat
     assert over_half == "too_large"  # a stream over half the budget, on one connection
 
 
-def test_client_connections_are_capped_in_all_and_per_host(tmp_path):
-    """Past the handshake, clients cost a connection each for as long as they ping: beyond
-    max_clients (or max_clients_per_host from one address) a new one is told `busy` and closed;
-    once one leaves, another gets in."""
-    async def client(cfg: NodeConfig) -> Connection:
+@pytest.mark.parametrize("role, limits", [
+    ("client", {"max_clients": 3, "max_clients_per_host": 2}),  # (127.0.0.1's third: over its share)
+    ("client", {"max_clients": 2, "max_clients_per_host": 5}),  # (the node's third)
+    ("worker", {"max_inbound_peers": 3, "max_inbound_peers_per_host": 2}),
+    ("worker", {"max_inbound_peers": 2, "max_inbound_peers_per_host": 5}),
+])
+def test_client_and_peer_connections_are_capped_in_all_and_per_host(tmp_path, role, limits):
+    """Past the handshake, a client costs a connection for as long as it pings, and so does a peer
+    (without a swarm secret anyone can make up node ids): beyond the node's limits in all or from one
+    address, a new one is told `busy` and closed; once one leaves, another gets in. A peer dialling
+    in again under its own id replaces its connection, limits or not."""
+    async def connect(cfg: NodeConfig, node_id: str) -> Connection:
         host, port = cfg.listen.split(":")
-        me = {"node": os.urandom(16).hex(), "addr": "", "role": "client", "blocks": [], "boot": b"12345678"}
+        me = {"node": node_id, "addr": "", "role": role, "blocks": [], "boot": os.urandom(8)}
         conn = await dial(host, int(port), Traffic(), open_session(me, cfg, None, True, 1 << 20), 10.0)
         await conn.open()
         return conn
 
     async def answer(conn: Connection) -> str:
-        """What the node says to a client that asks its status: its status, or the error it closes with."""
+        """What the node says to a connection that asks its status: its status, or the error it closes with."""
         try:
             await conn.send(Status(id=conn.next_id()))
             async with asyncio.timeout(10):
@@ -264,21 +272,27 @@ def test_client_connections_are_capped_in_all_and_per_host(tmp_path):
         except PeerGone:
             return "gone"
 
+    def held(node: Node) -> int:
+        return len(node.clients) if role == "client" else len([c for c in node.conns.values() if not c.closed])
+
     async def scenario() -> list[str]:
-        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"), max_clients=3,
-                         max_clients_per_host=2)
+        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "n.json"), **limits)
         node = Node(cfg, load_or_create(cfg.identity))
         await node.start()
         try:
-            first, second = await client(cfg), await client(cfg)
+            ids = [os.urandom(16).hex() for _ in range(4)]
+            first, second = await connect(cfg, ids[0]), await connect(cfg, ids[1])
             said = [await answer(first), await answer(second)]
-            third = await client(cfg)  # (127.0.0.1's third: over its share, though the node has room)
+            third = await connect(cfg, ids[2])
             said.append(await answer(third))
+            if role != "client":  # a restart of the second: its id, a new connection
+                second = await connect(cfg, ids[1])
+                said.append(await answer(second))
             await first.close()
             async with asyncio.timeout(10):
-                while len(node.clients) > 1:
+                while held(node) > 1:
                     await asyncio.sleep(0.01)
-            fourth = await client(cfg)
+            fourth = await connect(cfg, ids[3])
             said.append(await answer(fourth))
             for conn in (second, third, fourth):
                 await conn.close()
@@ -286,7 +300,34 @@ def test_client_connections_are_capped_in_all_and_per_host(tmp_path):
         finally:
             await node.stop()
 
-    assert asyncio.run(scenario()) == ["status_reply", "status_reply", "busy", "status_reply"]
+    restart = [] if role == "client" else ["status_reply"]
+    assert asyncio.run(scenario()) == ["status_reply", "status_reply", "busy", *restart, "status_reply"]
+
+
+def test_a_peer_that_says_busy_is_dialled_again_only_after_a_growing_wait(tmp_path):
+    """A full node refuses a peer that dials in after the handshake, and the peer's leaving brings the
+    dialler's next gossip at once: without a back-off it would dial again every gossip interval."""
+    async def scenario() -> tuple[int, int]:
+        full_cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "a.json"),
+                              max_inbound_peers_per_host=0)
+        full = Node(full_cfg, load_or_create(full_cfg.identity))
+        refused = []
+        room = full._room_for_peer
+        full._room_for_peer = lambda conn: refused.append(conn) or room(conn)  # (counts the dials it sees)
+        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "b.json"), peers=(full_cfg.listen,),
+                         gossip_interval=0.2, gossip_max=0.2, seed_interval=60)
+        dialler = Node(cfg, load_or_create(cfg.identity))
+        await full.start()
+        await dialler.start()
+        try:
+            await asyncio.sleep(3.0)
+            return len(refused), dialler.known[full.id].failures
+        finally:
+            await dialler.stop()
+            await full.stop()
+
+    dials, failures = asyncio.run(scenario())
+    assert 1 <= dials <= 6 and failures >= 1  # waits of 0.4, 0.8, 1.6 s...: every 0.2 s would be 15
 
 
 def test_a_client_waits_for_a_long_generation_as_long_as_its_bytes_come(tmp_path):

@@ -313,6 +313,11 @@ class Node:
     async def _admit(self, conn: Connection, admitted: asyncio.Future | None = None) -> None:
         """Handshake (within the deadline), register, then serve the connection until it ends."""
         hello = await self._admitted_hello(conn)
+        if hello is not None and hello.role != "client" and not self._room_for_peer(conn):
+            if admitted is not None:
+                admitted.set_result(False)
+            await conn.refuse(ProtocolError("busy", "too many peers connected; try again later"))
+            return
         kept = hello is not None and (hello.role == "client" or self._register(conn, hello))
         if admitted is not None:
             admitted.set_result(kept)
@@ -363,6 +368,21 @@ class Node:
                                                       f"{existing.hello.addr}")
         return hello
 
+    def _room_for_peer(self, conn: Connection) -> bool:
+        """Whether a peer that dialled in may stay: at most max_inbound_peers such connections, and
+        max_inbound_peers_per_host from one address. Without a swarm secret anyone can make up node
+        ids, and each would otherwise hold a connection (and its pings and gossip) for good. A peer
+        replacing its own connection (a restart, both sides dialling at once) always may."""
+        if conn.outbound or conn.label in self.conns:
+            return True
+        inbound = [c for c in self.conns.values() if not c.outbound and not c.closed]
+        from_there = sum(c.host == conn.host for c in inbound)
+        if len(inbound) < self.cfg.max_inbound_peers and from_there < self.cfg.max_inbound_peers_per_host:
+            return True
+        self.quiet.log(logging.WARNING, "peers", "refused a peer from %s: %d peers dialled in (%d from there)",
+                       conn.host, len(inbound), from_there)
+        return False
+
     def _register(self, conn: Connection, hello: Hello) -> bool:
         """Make conn the connection to its peer; False if an equivalent one is kept instead.
 
@@ -385,7 +405,8 @@ class Node:
             log.info("peer %s joined from %s (role %s, blocks %s)", conn.label[:8], hello.addr, hello.role,
                      hello.blocks)
         self.known[conn.label] = PeerInfo(conn.label, hello.addr, hello.role, hello.blocks, list(hello.serves or []),
-                                          rtt_ms=info.rtt_ms if info else None)
+                                          rtt_ms=info.rtt_ms if info else None, failures=info.failures if info else 0,
+                                          retry_at=info.retry_at if info else 0.0)  # (a full peer stays backed off)
         for hook in self.peer_hooks:
             self.spawn(hook(conn))
         return True
@@ -415,6 +436,7 @@ class Node:
         if info:
             info.rtt_ms = (time.monotonic() - msg.ts) * 1000
             info.last_seen = time.monotonic()
+            info.failures = 0
 
     async def _on_peers(self, conn: Connection, msg: Message) -> None:
         """A random sample of the peers it is connected to."""
@@ -434,6 +456,8 @@ class Node:
         raise PeerGone(f"{conn.label[:8]} said goodbye ({msg.reason})")
 
     async def _on_error(self, conn: Connection, msg: Message) -> None:
+        if msg.code == "busy" and (info := self.known.get(conn.label)) is not None:
+            self._back_off(info)  # (full: not again at the next gossip, which its leaving brings at once)
         raise PeerGone(f"{conn.label[:8]} reported {msg.code}: {msg.message}")
 
     # --- loops ------------------------------------------------------------------------------------
@@ -543,10 +567,12 @@ class Node:
 
     async def _dial_learned(self, info: PeerInfo) -> None:
         if await self.dial(info.addr) is None:
-            info.failures += 1
-            info.retry_at = time.monotonic() + min(300.0, self.cfg.gossip_interval * 2**info.failures)
-        else:
-            info.failures = 0
+            self._back_off(info)  # (its first pong clears the failures: a peer can also say busy once dialled)
+
+    def _back_off(self, info: PeerInfo) -> None:
+        """Dial a peer that failed, or said it is full, again only after a while, longer each time."""
+        info.failures += 1
+        info.retry_at = time.monotonic() + min(300.0, self.cfg.gossip_interval * 2**info.failures)
 
     async def _ask_peers(self, conn: Connection, now: float) -> None:
         try:
