@@ -29,7 +29,7 @@ from .chain import generate as run_chain
 from .config import REFRESH_CODECS, ModelConfig, NodeConfig, NoiseConfig, RunConfig, TrainConfig, override, parse_addr
 from .data import DataError, fixed_windows, load_bytes
 from .launch import LocalSwarm
-from .node.client import assemble_swarm, fetch_status, remote_generate, remote_score
+from .node.client import assemble_swarm, fetch_status, remote_generate, score_text
 from .node.connection import PeerGone
 from .node.identity import IdentityError
 from .node.identity import load_or_create as load_identity
@@ -37,7 +37,7 @@ from .node.node import Node, tune_allocator
 from .node.serving import BlockServer, ReferenceServer
 from .node.worker import BlockWorker
 from .pipeline import parse_blocks
-from .progress import duration
+from .progress import Progress, duration
 from .train import (
     Interrupted,
     clear_run,
@@ -649,14 +649,24 @@ def score(file, peer, chunk, route, seed, swarm, secret_file, timeout, tls_cert,
     """CE of FILE through the swarm's pipeline: one traversal per window, one draw (M = 1).
 
     The text is cut into windows of the model's context + 1 bytes, each overlapping the next by one
-    byte; a tail too short for a window is not scored (the report says how many bytes that was)."""
+    byte; a tail too short for a window is not scored (the report says how many bytes that was).
+    A text of any length is sent as requests of 64 KiB, a few at once, with the same windows and
+    noise as one request would have (progress is logged as they come back)."""
     text = Path(file).read_bytes()
     cfg = client_config(swarm, timeout or 600.0, tls_cert, tls_key, tls_ca)
 
     async def ask() -> dict:
         secret = read_secret(secret_file)
-        request = {"text": text, "chunk": chunk, "seed": seed, "route": await resolve_route(peer, cfg, route, secret)}
-        return await remote_score(peer, cfg, request, timeout=timeout or 600.0, secret=secret)
+        status = await fetch_status(peer, cfg, secret)
+        context = status.get("serving", {}).get("context")
+        if context is None:
+            raise Failure(f"{peer} serves no blocks: send score to a node started with --serve A-B --checkpoint DIR")
+        if len(text) < context + 1:
+            raise Failure(f"{file} has {len(text)} bytes; scoring needs at least a window of {context + 1} "
+                          f"(the model's context + 1)")
+        request = {"chunk": chunk, "seed": seed, "route": await resolve_route(peer, cfg, route, secret, status)}
+        progress = Progress(log, f"scoring {file}", (len(text) - 1) // context * context, "bytes")  # (whole windows)
+        return await score_text(peer, cfg, text, context, request, secret, timeout or 600.0, on_scored=progress.update)
 
     result = run_client(ask, f"request to {peer} failed")
     ce = result["nll"] / result["count"]
@@ -683,11 +693,13 @@ def run_client(ask, what: str):
     return result[0]
 
 
-async def resolve_route(peer: str, cfg: NodeConfig, route: str, secret: bytes | None) -> list:
-    """[] for auto; else the named nodes (ids or unique prefixes) as route entries, from peer's status."""
+async def resolve_route(peer: str, cfg: NodeConfig, route: str, secret: bytes | None,
+                        status: dict | None = None) -> list:
+    """[] for auto; else the named nodes (ids or unique prefixes) as route entries, from peer's status
+    (`status`, if the caller has it already)."""
     if route == "auto":
         return []
-    status = await fetch_status(peer, cfg, secret)
+    status = status or await fetch_status(peer, cfg, secret)
     members = [(status["node"], status["addr"], status.get("serves", []))]
     members += [(p["node"], p["addr"], p.get("serves", [])) for p in status["peers"]]
     hops = []

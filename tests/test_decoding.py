@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as fn
 
-from spheroid.chain import accept_draft, generate, lookup_draft, next_traversal, window_start
+from spheroid.chain import accept_draft, generate, lookup_draft, next_traversal, traversal_generators, window_start
 from spheroid.model import make_codebook
 
 from .test_model import blocks_for
@@ -27,6 +27,17 @@ def test_windows_start_at_zero_then_move_by_half_the_context():
     assert [window_start(n, 1, 16) for n in (16, 17, 24, 25, 32, 33)] == [0, 8, 8, 16, 16, 24]
     # a chunk too long for a half step slides byte by byte
     assert window_start(40, 15, 16) == 38
+
+
+def test_every_seed_a_request_may_name_makes_generators():
+    """Seeds go up to 2^63 - 1 (torch's limit); a byte's generator seed, derived from the request's seed
+    and the byte's index, used to overflow from about 2^42 on ("Overflow when unpacking long long":
+    the hop failed on every node). Small seeds keep their generators."""
+    cpu = torch.device("cpu")
+    for seed, index in ((2**63 - 1, 0), (2**63 - 1, 2**48), (2**45, 7)):
+        noise, sampling = traversal_generators(seed, index, cpu)
+        assert noise.initial_seed() != sampling.initial_seed()
+    assert traversal_generators(5, 3, cpu)[0].initial_seed() == (5 * 1_000_003 + 3) * 2
 
 
 def test_lookup_drafts_what_followed_the_longest_earlier_match():

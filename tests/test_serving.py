@@ -15,7 +15,7 @@ import torch
 
 from spheroid.chain import generate, next_traversal
 from spheroid.config import NodeConfig
-from spheroid.node.client import remote_generate, remote_score
+from spheroid.node.client import remote_generate, remote_score, score_text
 from spheroid.node.connection import PeerGone
 from spheroid.node.serving import Batcher
 from spheroid.pipeline import Hop, NoRoute, build_route, check_route, parse_blocks, serving_range
@@ -103,9 +103,17 @@ def test_three_node_pipeline_gives_the_bytes_of_local_generation(servers, model_
             assert head.status()["serving"]["relayed_rows"] - relayed == len(b"The ") + 24 - 1
         assert got["traversals"] == 24 // k and [h[0] for h in got["route"]] == [
             head.status()["node"], mid.status()["node"], tail.status()["node"]]
-    reply = asyncio.run(remote_score(head.addr, CLIENT, {"text": bytes(range(32, 127)) * 2, "chunk": 1, "seed": 0,
-                                                         "route": []}))
+    text = bytes(range(32, 127)) * 2
+    reply = asyncio.run(remote_score(head.addr, CLIENT, {"text": text, "chunk": 1, "seed": 0, "route": []}))
     assert reply["windows"] == 5 and reply["count"] == 5 * 32 and 0 < reply["nll"] / reply["count"] < 10
+    # the same text in pieces of two windows (the last of one), three at once: the same windows and noise
+    scored: list[int] = []
+    split = asyncio.run(score_text(mid.addr, CLIENT, text, 32, {"chunk": 1, "seed": 0, "route": []}, piece=64,
+                                   on_scored=scored.append))
+    assert (split["windows"], split["count"]) == (5, 5 * 32)
+    assert len(scored) == 3 and scored == sorted(scored) and scored[-1] == 160  # bytes scored, as pieces came back
+    # (equal here; pieces keyed from offset 0 instead were 3.3e-6 apart, since these blocks are barely trained)
+    assert split["nll"] == pytest.approx(reply["nll"], rel=1e-6)
     assert tail.status()["serving"]["hops"] >= 3 + 24 + 5
     assert tail.status()["serving"]["sessions"] >= 1 and tail.status()["serving"]["cache_bytes"] > 0
 
@@ -377,6 +385,11 @@ def test_cli_generate_and_score_through_the_pipeline(servers, model_dir, tmp_pat
                            capture_output=True, text=True, timeout=120)
     assert score.returncode == 0 and "95 bytes; 64 predicted in 2 windows of 32, CE" in score.stdout, score.stderr
     assert "the last 30 bytes were not scored: they do not fill a window of 33 bytes" in score.stdout
+    assert f"scoring {text}: 64/64 bytes" in score.stderr  # (progress, as the requests come back)
+    text.write_bytes(b"too short")
+    short = subprocess.run([sys.executable, "-m", "spheroid", "score", "--peer", head.addr, str(text)],
+                           capture_output=True, text=True, timeout=120)
+    assert short.returncode == 1 and "has 9 bytes; scoring needs at least a window of 33" in short.stderr
     bad = subprocess.run([sys.executable, "-m", "spheroid", "generate", "--peer", head.addr, "--route", "zzzz", "x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "--route: 'zzzz' names 0 serving nodes" in bad.stderr

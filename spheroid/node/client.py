@@ -272,6 +272,45 @@ async def remote_score(addr: str, cfg: NodeConfig, request: dict, secret: bytes 
     return await _streamed(addr, cfg, secret, Score(**request), on_message, timeout)
 
 
+SCORE_PIECE = 1 << 16  # bytes of text per score request when score_text splits a text
+SCORE_IN_FLIGHT = 4  # score requests at once (the coordinator's hops of all of them are batched)
+
+
+async def score_text(addr: str, cfg: NodeConfig, text: bytes, context: int, request: dict,
+                     secret: bytes | None = None, timeout: float = 600.0, piece: int = SCORE_PIECE,
+                     on_scored: Callable[[int], None] = lambda _: None) -> dict:
+    """CE of a text of any length through the pipeline: score requests of about `piece` bytes, a few at
+    once, summed (`request`: the other fields of each, chunk, seed and route).
+
+    A node takes at most 1 MiB a request, and answers only at the end of one: pieces let a text of
+    any size be scored, show progress (`on_scored(bytes scored so far)`), and keep the serving
+    nodes' batches full. Each piece starts on a window boundary (a multiple of the context) and
+    names its `offset` in the text, which keys its windows' noise, so the windows and their noise
+    are exactly those of one request for the whole text."""
+    step = max(1, piece // context) * context  # windows per piece: whole ones
+    starts = [s for s in range(0, len(text), step) if len(text) - s >= context + 1]  # (a shorter tail fills no window)
+    if not starts:
+        raise ValueError(f"a text of {len(text)} bytes fills no window of {context + 1} bytes (the context + 1)")
+    replies: dict[int, dict] = {}
+    gate = asyncio.Semaphore(SCORE_IN_FLIGHT)
+
+    async def one(start: int) -> None:
+        async with gate:
+            replies[start] = await remote_score(addr, cfg, {**request, "text": text[start : start + step + 1],
+                                                            "offset": start}, secret, timeout)
+        on_scored(sum(r["count"] for r in replies.values()))
+
+    tasks = [asyncio.ensure_future(one(start)) for start in starts]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()  # (the others, once one failed)
+    in_order = [replies[start] for start in starts]  # (the same sums whichever piece came first)
+    return {"nll": sum(r["nll"] for r in in_order), "count": sum(r["count"] for r in in_order),
+            "windows": sum(r["windows"] for r in in_order), "route": in_order[-1]["route"]}
+
+
 async def _streamed(addr: str, cfg: NodeConfig, secret: bytes | None, message: Message,
                     on_message: Callable[[Message, asyncio.Future], None], timeout: float) -> dict:
     """Send a request whose answer comes as several messages, each given to `on_message` until it

@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 MAX_PROMPT = 1 << 16  # bytes of prompt a request may carry
 MAX_GENERATE = 1 << 16  # bytes one request may ask for
 MAX_TEXT = 1 << 20  # bytes of text one score request may carry
+MAX_OFFSET = 1 << 48  # where that text may start in a longer one (score.offset)
 MAX_SEED = (1 << 63) - 1  # seeds are torch generator seeds: signed 64-bit
 
 
@@ -563,13 +564,16 @@ class BlockServer(PipelineServer):
             raise ValueError(f"text must be {context + 1} to {MAX_TEXT} bytes")
         if not 1 <= msg.chunk <= context:
             raise ValueError(f"chunk must be in [1, {context}]")
+        offset = msg.offset or 0  # (of this text in a longer one a client split: its windows' noise keys)
+        if offset > MAX_OFFSET:
+            raise ValueError(f"offset must be at most 2^48, got {offset}")
         session, exclude, route = os.urandom(8).hex(), set(), None
         nll, count, windows = 0.0, 0, 0
         for i in range(0, len(text) - context, context):  # one traversal per window of context + 1 bytes
             window = text[i : i + context + 1]
             fields = {"session": session, "ctx": window[:-1], "start": 0, "n_noisy": len(window) - 1,
                       "chunk": msg.chunk, "temperature": 0.0, "seed": msg.seed, "targets": window[1:]}
-            done, route = await self.traverse(i, msg.route, exclude, fields)  # noise keyed by byte offset
+            done, route = await self.traverse(offset + i, msg.route, exclude, fields)  # noise keyed by byte offset
             nll, count, windows = nll + done.nll, count + done.count, windows + 1
         await conn.send(messages.ScoreReply(re=msg.id, nll=nll, count=count, windows=windows,
                                             route=[h.to_wire() for h in route]))

@@ -72,7 +72,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
                  "seed": "uint", "route": "list"},
     "gen_bytes": {"data": "bin"},
     "gen_done": {"bytes": "uint", "traversals": "uint", "route": "list"},
-    "score": {"text": "bin", "chunk": "uint", "seed": "uint", "route": "list"},
+    "score": {"text": "bin", "chunk": "uint", "seed": "uint", "route": "list", "offset": "uint?"},
     "score_reply": {"nll": "float", "count": "uint", "windows": "uint", "route": "list"},
     "hop": {"session": "str", "traversal": "uint", "route": "list", "at": "uint", "coordinator": "list", "model": "str",
             "ctx": "bin", "start": "uint", "n_noisy": "uint", "chunk": "uint", "temperature": "float",
