@@ -265,7 +265,7 @@ def traversal_generators(seed: int, traversal: int, device: torch.device) -> tup
     Derived per byte, so a pipeline (noise drawn by its first node, bytes sampled by its last) and
     one machine produce the same bytes for the same seed, whichever traversal denoises the byte.
     """
-    base = (seed * 1_000_003 + traversal) * 2 % (1 << 63)  # (torch seeds are below 2^63; seeds may be up to 2^63 - 1)
+    base = (seed * 1_000_003 + traversal) * 2 % (1 << 64)  # (torch takes seeds below 2^64; seeds go up to 2^63 - 1)
     return torch.Generator(device).manual_seed(base), torch.Generator(device).manual_seed(base + 1)
 
 

@@ -304,30 +304,41 @@ def test_client_and_peer_connections_are_capped_in_all_and_per_host(tmp_path, ro
     assert asyncio.run(scenario()) == ["status_reply", "status_reply", "busy", *restart, "status_reply"]
 
 
-def test_a_peer_that_says_busy_is_dialled_again_only_after_a_growing_wait(tmp_path):
-    """A full node refuses a peer that dials in after the handshake, and the peer's leaving brings the
-    dialler's next gossip at once: without a back-off it would dial again every gossip interval."""
-    async def scenario() -> tuple[int, int]:
-        full_cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "a.json"),
-                              max_inbound_peers_per_host=0)
-        full = Node(full_cfg, load_or_create(full_cfg.identity))
-        refused = []
-        room = full._room_for_peer
-        full._room_for_peer = lambda conn: refused.append(conn) or room(conn)  # (counts the dials it sees)
-        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "b.json"), peers=(full_cfg.listen,),
-                         gossip_interval=0.2, gossip_max=0.2, seed_interval=60)
-        dialler = Node(cfg, load_or_create(cfg.identity))
-        await full.start()
-        await dialler.start()
-        try:
-            await asyncio.sleep(3.0)
-            return len(refused), dialler.known[full.id].failures
-        finally:
-            await dialler.stop()
-            await full.stop()
+def test_a_full_node_names_other_peers_and_is_dialled_again_only_after_a_growing_wait(tmp_path):
+    """A full node refuses a peer that dials in after the handshake, naming some of its own peers: a
+    newcomer that knew only it joins through them. The newcomer dials the full node again only after
+    waits that double (as a seed and as a learned peer), not every seed and gossip interval, which
+    its leaving would otherwise bring at once."""
+    async def scenario() -> tuple[int, bool]:
+        nodes = []
 
-    dials, failures = asyncio.run(scenario())
-    assert 1 <= dials <= 6 and failures >= 1  # waits of 0.4, 0.8, 1.6 s...: every 0.2 s would be 15
+        async def start(name: str, **kw) -> Node:
+            cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / f"{name}.json"), **kw)
+            node = Node(cfg, load_or_create(cfg.identity))
+            await node.start()
+            nodes.append(node)
+            return node
+
+        try:
+            full = await start("full", max_inbound_peers=1)
+            refused = []
+            room = full._room_for_peer
+            full._room_for_peer = lambda conn: room(conn) or refused.append(conn)  # (counts its refusals)
+            member = await start("member", peers=(full.cfg.listen,))
+            async with asyncio.timeout(20):
+                while member.id not in full.conns:
+                    await asyncio.sleep(0.02)
+            newcomer = await start("newcomer", peers=(full.cfg.listen,), seed_interval=0.2, gossip_interval=0.2,
+                                   gossip_max=0.2)
+            await asyncio.sleep(3.0)
+            return len(refused), member.id in newcomer.conns
+        finally:
+            for node in reversed(nodes):
+                await node.stop()
+
+    refusals, joined = asyncio.run(scenario())
+    assert joined  # through the peer the full node named
+    assert 1 <= refusals <= 8  # waits of 0.2, 0.4, 0.8, 1.6 s for each way in: every 0.2 s would be 30
 
 
 def test_a_client_waits_for_a_long_generation_as_long_as_its_bytes_come(tmp_path):

@@ -273,10 +273,10 @@ def test_the_batcher_refuses_hops_beyond_its_queue_as_busy():
     assert asyncio.run(main()) == ["S0", "S1", "S2"]
 
 
-def test_a_hop_never_makes_a_node_dial_an_address_it_names(servers):
-    """A hop's route and coordinator carry addresses, but a serving node reaches the next node and the
-    coordinator only over connections it has or at addresses membership gave it: a peer could
-    otherwise make it dial any host and port. Hops from a client are refused."""
+def test_a_hop_never_sends_a_known_node_elsewhere_and_never_comes_from_a_client(servers):
+    """A hop's route and coordinator carry addresses, but a serving node reaches a node it knows over its
+    connection or at the address that node gave: a peer cannot redirect activations or make it
+    dial a host of its choosing for a known node. Hops from a client are refused."""
     head = servers("head", "0-1")
     serving = wait_until(lambda: head.status()["serving"], 60, "serving")
     traps = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]  # where the hop says to go
@@ -284,28 +284,72 @@ def test_a_hop_never_makes_a_node_dial_an_address_it_names(servers):
         trap.setblocking(False)
     addrs = [f"127.0.0.1:{t.getsockname()[1]}" for t in traps]
     t = next_traversal(bytearray(b"The "), 1, 1, 0, serving["context"])
+    me = hello(role="worker", addr="")
     hop = {"t": "hop", "id": 2, "session": "ab" * 8, "traversal": 0, "at": 0, "model": serving["model"],
-           "route": [[head.status()["node"], head.addr, 0, 1], ["f" * 32, addrs[0], 2, 3]],
-           "coordinator": ["e" * 32, addrs[1], 0, 0], "ctx": t.ctx, "start": t.start, "n_noisy": t.n_noisy,
+           "route": [[head.status()["node"], head.addr, 0, 1], [me["node"], addrs[0], 2, 3]],
+           "coordinator": [me["node"], addrs[1], 0, 0], "ctx": t.ctx, "start": t.start, "n_noisy": t.n_noisy,
            "chunk": t.chunk, "temperature": 0.0, "seed": 0}
     peer = RawPeer(head.addr)
     try:
-        peer.send(hello(role="worker", addr=""))
+        peer.send(me)
         peer.receive()
         peer.send(hop)
-        wait_until(lambda: head.status()["serving"]["failed_hops"] == 1, 30, "the hop to fail at its second node")
-        assert head.status()["serving"]["hops"] == 1  # it ran its part, then could not reach the next
-        time.sleep(1.0)
+        while (got := peer.receive()[0])["t"] != "hop":  # the next hop comes here, over this connection
+            pass
+        assert got["at"] == 1 and got["session"] == hop["session"]
         for trap in traps:
             with pytest.raises(BlockingIOError):
                 trap.accept()  # nobody dialled there
-        got = handshake_then(head.addr, encode({**hop, "id": 3}))  # a client's hop
-        assert got[-1]["t"] == "error" and got[-1]["code"] == "unexpected"
+        refused = handshake_then(head.addr, encode({**hop, "id": 3}))  # a client's hop
+        assert refused[-1]["t"] == "error" and refused[-1]["code"] == "unexpected"
         assert head.status()["serving"]["hops"] == 1
     finally:
         peer.close()
         for trap in traps:
             trap.close()
+
+
+def test_a_route_through_a_node_its_previous_node_has_not_heard_of_yet_works(model_dir, tmp_path):
+    """C joins through A (the coordinator) and serves block 3; A routes A -> B -> C at once, while B,
+    between two gossips, has not heard of C: B learns C from the hop, as gossip would, and reaches it."""
+    from spheroid.launch import free_port
+    from spheroid.node.identity import load_or_create
+    from spheroid.node.node import Node
+    from spheroid.node.serving import BlockServer
+
+    async def scenario() -> tuple[bool, dict, list[str]]:
+        nodes = []
+
+        async def start(name: str, first: int, last: int, *seeds: Node, **kw) -> Node:
+            cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / f"{name}.json"),
+                             peers=tuple(s.cfg.listen for s in seeds), serves=tuple(range(first, last + 1)), **kw)
+            node = Node(cfg, load_or_create(cfg.identity))
+            BlockServer(node, model_dir, first, last)
+            await node.start()
+            nodes.append(node)
+            return node
+
+        async def joined(node: Node, to: Node) -> None:
+            async with asyncio.timeout(30):
+                while node.id not in to.conns:
+                    await asyncio.sleep(0.02)
+
+        try:
+            a = await start("a", 0, 1)
+            b = await start("b", 2, 2, a, gossip_interval=60.0, gossip_max=60.0, forget_after=120.0)
+            await joined(b, a)
+            c = await start("c", 3, 3, a, max_peers=1)  # (it dials no one but its seed)
+            await joined(c, a)
+            unheard = c.id not in b.known
+            got = await remote_generate(a.cfg.listen, CLIENT, {"prompt": b"The ", "n_bytes": 8, "mode": "sweep",
+                                                               "k": 8, "temperature": 0.0, "seed": 1, "route": []})
+            return unheard, got, [a.id, b.id, c.id]
+        finally:
+            for node in reversed(nodes):
+                await node.stop()
+
+    unheard, got, ids = asyncio.run(scenario())
+    assert unheard and len(got["data"]) == 8 and [h[0] for h in got["route"]] == ids
 
 
 def test_session_cache_is_bounded_and_expires():

@@ -67,6 +67,7 @@ class Connection(asyncio.BufferedProtocol):
         self.host, self.remote = "?", "?:0"
         self.hello: Hello | None = None  # the peer's, once the handshake is done
         self.outbound = session.dialler  # True when this side dialled
+        self.dialled: str | None = None  # the address this side dialled (a node's own dials; None: it accepted)
         self.reader_task: asyncio.Task | None = None  # set when something else runs serve() for us
         self.transport: asyncio.Transport | None = None
         self._opened = opened

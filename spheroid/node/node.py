@@ -102,6 +102,11 @@ def tune_allocator() -> None:
     libc.mallopt(m_trim_threshold, 128 << 20)
 
 
+def backoff(base: float, times: int) -> float:
+    """Seconds to wait before trying a peer again after `times` failures (or refusals): doubling, at most 300."""
+    return min(300.0, base * 2**times)
+
+
 def open_session(me: dict, cfg: NodeConfig, secret: bytes | None, dialler: bool, budget: Budget | int,
                  frames: Budget | None = None) -> Session:
     """The session of one connection, as this node (or client) speaks it."""
@@ -145,6 +150,7 @@ class Node:
         self.quiet = QuietLog(log)
         self._pinging: set[Connection] = set()  # connections with a ping on its way (one at a time)
         self._seeds_failing: dict[str, float] = {}  # seed address -> when dialling it first failed
+        self._seeds_busy: dict[str, tuple[int, float]] = {}  # seed address -> (times it said busy, retry at)
         self.started = time.monotonic()
         self.boot = os.urandom(8)  # tells peers a restarted node from a second connection of this one
         self._dialing: set[str] = set()
@@ -280,6 +286,7 @@ class Node:
             self._dialing.discard(addr)
             return None
         self._seeds_failing.pop(addr, None)
+        conn.dialled = addr
         admitted = asyncio.get_running_loop().create_future()
         self.spawn(self._admit(conn, admitted))
         try:
@@ -291,7 +298,7 @@ class Node:
         """A connection to a peer: the open one, or one dialled at the address gossip gave for it (a
         node can average with more peers than it keeps connected); None if neither works."""
         conn = self.conns.get(node)
-        if conn is None and node in self.known and self.known[node].addr:
+        if (conn is None or conn.closed) and node in self.known and self.known[node].addr:
             if node not in self._reaching:  # (one dial for all the sends waiting on it)
                 self._reaching[node] = self.spawn(self.dial(self.known[node].addr))
                 self._reaching[node].add_done_callback(lambda _: self._reaching.pop(node, None))
@@ -316,7 +323,10 @@ class Node:
         if hello is not None and hello.role != "client" and not self._room_for_peer(conn):
             if admitted is not None:
                 admitted.set_result(False)
-            await conn.refuse(ProtocolError("busy", "too many peers connected; try again later"))
+            with contextlib.suppress(PeerGone):  # (others it may join through: a newcomer would know no one else)
+                await conn.send(Error(code="busy", message="too many peers connected; try again later",
+                                      peers=self._peer_sample()))
+            await conn.close()
             return
         kept = hello is not None and (hello.role == "client" or self._register(conn, hello))
         if admitted is not None:
@@ -436,13 +446,16 @@ class Node:
         if info:
             info.rtt_ms = (time.monotonic() - msg.ts) * 1000
             info.last_seen = time.monotonic()
-            info.failures = 0
+            info.failures, info.retry_at = 0, 0.0  # (reachable after all: no back-off when it next goes)
+        self._seeds_busy.pop(conn.dialled, None)
 
     async def _on_peers(self, conn: Connection, msg: Message) -> None:
-        """A random sample of the peers it is connected to."""
+        await conn.send(PeersReply(re=msg.id, peers=self._peer_sample()))
+
+    def _peer_sample(self) -> list[dict]:
+        """A random sample of the peers this node is connected to (what gossip and a `busy` refusal carry)."""
         entries = [self.known[n].entry() for n in self.conns if n in self.known]
-        entries = random.sample(entries, min(len(entries), MAX_PEER_ENTRIES))
-        await conn.send(PeersReply(re=msg.id, peers=entries))
+        return random.sample(entries, min(len(entries), MAX_PEER_ENTRIES))
 
     async def _on_status(self, conn: Connection, msg: Message) -> None:
         await conn.send(StatusReply(re=msg.id, status=self.status()))
@@ -456,8 +469,13 @@ class Node:
         raise PeerGone(f"{conn.label[:8]} said goodbye ({msg.reason})")
 
     async def _on_error(self, conn: Connection, msg: Message) -> None:
-        if msg.code == "busy" and (info := self.known.get(conn.label)) is not None:
-            self._back_off(info)  # (full: not again at the next gossip, which its leaving brings at once)
+        if msg.code == "busy":  # full: dial it again later, not at the next gossip (its leaving brings one at once)
+            if (info := self.known.get(conn.label)) is not None:
+                self._back_off(info)
+            if conn.dialled in self.cfg.peers:
+                times, _ = self._seeds_busy.get(conn.dialled, (0, 0.0))
+                self._seeds_busy[conn.dialled] = times + 1, time.monotonic() + backoff(self.cfg.seed_interval, times)
+            self._learn_all(msg.peers or [], "busy")  # (the others it named: a way in)
         raise PeerGone(f"{conn.label[:8]} reported {msg.code}: {msg.message}")
 
     # --- loops ------------------------------------------------------------------------------------
@@ -572,16 +590,12 @@ class Node:
     def _back_off(self, info: PeerInfo) -> None:
         """Dial a peer that failed, or said it is full, again only after a while, longer each time."""
         info.failures += 1
-        info.retry_at = time.monotonic() + min(300.0, self.cfg.gossip_interval * 2**info.failures)
+        info.retry_at = time.monotonic() + backoff(self.cfg.gossip_interval, info.failures)
 
     async def _ask_peers(self, conn: Connection, now: float) -> None:
         try:
             reply = await conn.request(Peers())
-            if len(reply.peers) > MAX_PEER_ENTRIES:
-                raise ProtocolError("bad_field", f"peers_reply lists {len(reply.peers)} peers, more than "
-                                                 f"{MAX_PEER_ENTRIES}")
-            for entry in reply.peers:
-                self._learn(validate_peer(entry), now)
+            self._learn_all(reply.peers, "peers_reply", now)
         except PeerGone as exc:
             log.debug("gossip with %s failed: %s", conn.label[:8], exc)
         except ProtocolError as exc:
@@ -589,7 +603,18 @@ class Node:
                            exc.message)
             await conn.refuse(exc)
 
-    def _learn(self, entry: dict, now: float) -> None:
+    def _learn_all(self, entries: list, what: str, now: float | None = None) -> None:
+        """Learn the peers a peer listed (in a peers_reply, or with a busy refusal); ProtocolError if the
+        list is malformed."""
+        if len(entries) > MAX_PEER_ENTRIES:
+            raise ProtocolError("bad_field", f"{what} lists {len(entries)} peers, more than {MAX_PEER_ENTRIES}")
+        for entry in entries:
+            self.learn(validate_peer(entry), time.monotonic() if now is None else now)
+
+    def learn(self, entry: dict, now: float) -> None:
+        """A peer entry (node, addr, role, blocks, serves) heard from another node: kept in the known-peers
+        table, which gossip dials from, unless it is this node, a client, malformed, or known already
+        (an address heard never replaces one a node gave itself)."""
         node = entry["node"]
         if node == self.id or entry["role"] == "client" or not is_node_id(node):
             return
@@ -613,8 +638,9 @@ class Node:
     async def _seed_loop(self) -> None:
         retry = 0.25  # while alone, retry the seeds soon (they may be starting too), backing off
         while True:
-            connected = {c.hello.addr for c in self.conns.values()}
-            dialled = await asyncio.gather(*(self.dial(a) for a in self.cfg.peers if a not in connected))
+            connected, now = {c.hello.addr for c in self.conns.values()}, time.monotonic()
+            due = [a for a in self.cfg.peers if a not in connected and self._seeds_busy.get(a, (0, 0.0))[1] <= now]
+            dialled = await asyncio.gather(*(self.dial(a) for a in due))
             if any(dialled):  # just (re)joined: learn the membership now rather than at the next gossip
                 await self.gossip_once()
             retry = self.cfg.seed_interval if self.conns else min(2 * retry, self.cfg.seed_interval)

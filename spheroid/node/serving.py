@@ -30,6 +30,7 @@ speculative-sampling rule (chain.accept_draft), so the output is distributed as 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import logging
@@ -168,6 +169,23 @@ def _catch(work: Callable, *args: object) -> object:
         return exc
 
 
+class Allowance:
+    """At most `count` events in any `period` seconds: bounds what peers' messages can make a node do."""
+
+    def __init__(self, count: int, period: float) -> None:
+        self.count, self.period = count, period
+        self.times: collections.deque[float] = collections.deque()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        while self.times and now - self.times[0] > self.period:
+            self.times.popleft()
+        if len(self.times) >= self.count:
+            return False
+        self.times.append(now)
+        return True
+
+
 class Batcher:
     """Runs a node's hops in one worker thread, a batch at a time: each batch takes every hop that
     arrived while the previous one ran (one per session, at most `max_hops` and `max_positions`
@@ -252,6 +270,7 @@ class PipelineServer(ABC):
         self.counters = {"hops": 0, "requests": 0, "traversals": 0, "failed_hops": 0, "reroutes": 0,
                          "relayed_rows": 0, "batches": 0}
         self.batcher = Batcher(self._compute_batch, node.spawn, self.counters)
+        self._learned = Allowance(8, 60.0)  # nodes learned from hops' routes (see _connection)
         node.handlers.update(hop=self.on_hop, hop_done=self.on_hop_done, hop_error=self.on_hop_error,
                              generate=self.on_generate, score=self.on_score)
         node.status_parts["serving"] = self.status
@@ -317,7 +336,12 @@ class PipelineServer(ABC):
         for attempt in range(self.retries + 1):
             if attempt and retry_fields is not None:
                 fields = retry_fields()
-            route = self.route(requested, exclude)
+            try:
+                route = self.route(requested, exclude)
+            except NoRoute as exc:
+                if not exclude:
+                    raise
+                raise HopFailed("", f"{error}; and no route without the nodes that failed: {exc}") from None
             key = (fields["session"], traversal)
             future = asyncio.get_running_loop().create_future()
             self.waiting[key] = future, route
@@ -378,14 +402,19 @@ class PipelineServer(ABC):
 
     # --- hops ---------------------------------------------------------------------------------------
 
-    async def _connection(self, node: str) -> Connection:
+    async def _connection(self, hop: Hop) -> Connection:
         """The connection to a route's node or a coordinator: the open one, or one dialled at the address
-        membership knows for it (`Node.reach`), never at the address a hop gives: a peer must not make
-        this node dial any host and port it names."""
-        conn = await self.node.reach(node)
+        membership knows for it (`Node.reach`). The address a hop gives counts only for a node this
+        one has not heard of yet (a coordinator can route through a node that joined since this
+        node last gossiped): it is learned as gossip would learn it, a few a minute at most, and
+        never replaces a known address, so hops make a node dial no more than gossip can."""
+        known = hop.node in self.node.known or hop.node in self.node.conns
+        if not known and hop.addr and self._learned.allow():
+            self.node.learn({"node": hop.node, "addr": hop.addr, "role": "server", "blocks": [],
+                             "serves": list(range(hop.first, hop.last + 1))}, time.monotonic())
+        conn = await self.node.reach(hop.node)
         if conn is None:
-            raise PeerGone(f"cannot reach {node[:8]}: not connected, and no address known for it (its nodes "
-                           f"must be members of one swarm: --peer)")
+            raise PeerGone(f"cannot reach {hop.node[:8]} at {hop.addr}")
         return conn
 
     async def _deliver(self, hop: Hop, msg: messages.Message, z: torch.Tensor | None = None) -> None:
@@ -394,7 +423,7 @@ class PipelineServer(ABC):
         if hop.node == self.node.id:
             self.node.spawn(self._run_hop(msg, z))
             return
-        conn = await self._connection(hop.node)
+        conn = await self._connection(hop)
         if z is None:
             await conn.send(msg)
         else:
@@ -405,7 +434,7 @@ class PipelineServer(ABC):
             await (self.on_hop_done if isinstance(msg, messages.HopDone) else self.on_hop_error)(None, msg)
             return
         with contextlib.suppress(PeerGone):
-            await (await self._connection(coordinator.node)).send(msg)
+            await (await self._connection(coordinator)).send(msg)
 
     async def on_hop(self, conn: Connection, msg: messages.Message) -> None:
         if conn.label == CLIENTS:

@@ -81,7 +81,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "hop_done": {"session": "str", "traversal": "uint", "data": "bin", "nll": "float", "count": "uint"},
     "hop_error": {"session": "str", "traversal": "uint", "node": "str", "message": "str"},
     # errors and goodbyes
-    "error": {"code": "str", "message": "str"},
+    "error": {"code": "str", "message": "str", "peers": "list?"},  # peers: with busy, some a dialler may try instead
     "bye": {"reason": "str"},
 }
 COMMON = {"t": "str", "id": "uint", "re": "uint?"}
