@@ -77,7 +77,7 @@ def train(folder: Path, flags: list[str], data: str | None, reference: bool = Tr
     base = [sys.executable, "-m", "spheroid", "train", *flags, "--log-every", "100", "--out", str(folder)]
     if data:
         base += ["--data", data]
-    for job in [["--block", str(b)] for b in range(4)] + ([["--reference"]] if reference else []):
+    for job in [["--block", "all"]] + ([["--reference"]] if reference else []):
         log.info("training %s", " ".join(job))
         subprocess.run([*base, *job], check=True)
 

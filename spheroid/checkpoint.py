@@ -85,7 +85,9 @@ def save_tensors(folder: str | os.PathLike, name: str, tensors: dict[str, torch.
     """Save named tensors (weights, or a trainer's whole state) and their record; returns the JSON path."""
     folder = Path(folder)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    blob = save_safetensors(tensors, metadata={"format": FORMAT, "name": name})
+    # one metadata entry: safetensors writes them in a random order, and the same weights would then
+    # get another sha256 (and file name) from one save to the next
+    blob = save_safetensors(tensors, metadata={"format": FORMAT})
     sha = hashlib.sha256(blob).hexdigest()
     weights = f"{name}.{sha[:16]}.safetensors"
     atomic_write(folder / weights, blob)

@@ -369,8 +369,9 @@ def run_config_options(func):
 
 
 @main.command()
-@click.option("--block", type=click.IntRange(min=0), default=None,
-              help="Train this block (0 = the highest noise band, the first of the chain).")
+@click.option("--block", "blocks", metavar="B|A-B|all", default=None,
+              help="Train this block (0 = the highest noise band, the first of the chain), or these blocks in "
+                   "order in one process (A-B, or all of them).")
 @click.option("--reference", is_flag=True, help="Train the end-to-end reference instead of a block.")
 @click.option("--out", type=click.Path(file_okay=False), default="checkpoints/local", show_default=True,
               help="Checkpoint folder; blocks trained into one folder form the assembled model. A rerun into it "
@@ -388,40 +389,58 @@ def run_config_options(func):
 @data_option
 @device_option
 @command
-def train(block, reference, out, config_file, save_every, resume_every, fresh, log_every, metrics, data_dir, device,
+def train(blocks, reference, out, config_file, save_every, resume_every, fresh, log_every, metrics, data_dir, device,
           **overrides) -> None:
-    """Train one block (--block B) or the end-to-end reference (--reference).
+    """Train one block (--block B), several in order (--block A-B, --block all) or the end-to-end
+    reference (--reference).
 
     Ctrl-C (or SIGTERM) saves a resumable state and exits with status 130; running the same command
-    again continues from it and ends on the weights an uninterrupted run ends on."""
-    if (block is None) == (not reference):
+    again continues from it (blocks already trained are said so and kept) and ends on the weights an
+    uninterrupted run ends on."""
+    if (blocks is None) == (not reference):
         raise click.UsageError("give exactly one of --block B or --reference")
     cfg = load_config(config_file, **overrides)
     if cfg.train.steps < 1:
         raise click.BadParameter("train needs at least one step", param_hint="--steps")
-    if block is not None and block >= cfg.model.n_blocks:
-        raise click.BadParameter(f"the model has blocks 0-{cfg.model.n_blocks - 1}", param_hint="--block")
+    jobs = {checkpoint.REFERENCE: None} if reference else {checkpoint.block_name(b): b for b in block_span(blocks, cfg)}
     dev = pick_device(device)
     data = load_bytes(data_dir, "train")
-    folder, name = Path(out), checkpoint.REFERENCE if reference else checkpoint.block_name(block)
+    folder = Path(out)
     if fresh:
-        clear_run(folder, name)
+        for name in jobs:
+            clear_run(folder, name)
     log.info("training on %d bytes of wiki.train.tokens, device %s", data.numel(), dev)
     stop = threading.Event()
     options = {"save_every": save_every, "log_every": log_every, "resume_every": resume_every, "stop": stop}
+    results = {}
     with stop_on_signals(stop):
-        try:
-            if reference:
-                result = train_reference(cfg, data, folder, dev, **options)
-            else:
-                result = train_block(cfg, block, data, folder, dev, **options)
-        except Interrupted as exc:
-            click.echo(f"{exc}: run the same command again to continue (--fresh to start over)", err=True)
-            sys.exit(130)
-    click.echo(f"done in {duration(result.wall_s)}: loss {result.final_loss:.4f} ce {result.final_ce:.4f}; "
-               f"checkpoint in {out}")
+        for name, block in jobs.items():
+            try:
+                if reference:
+                    result = train_reference(cfg, data, folder, dev, **options)
+                else:
+                    result = train_block(cfg, block, data, folder, dev, **options)
+            except Interrupted as exc:
+                click.echo(f"{exc}: run the same command again to continue (--fresh to start over)", err=True)
+                sys.exit(130)
+            click.echo(f"{'' if len(jobs) == 1 else name + ': '}done in {duration(result.wall_s)}: loss "
+                       f"{result.final_loss:.4f} ce {result.final_ce:.4f}; checkpoint in {out}")
+            results[name] = {**vars(result), "config": cfg.to_dict()}
     if metrics:
-        Path(metrics).write_text(json.dumps({**vars(result), "config": cfg.to_dict()}, indent=2))
+        Path(metrics).write_text(json.dumps(results[name] if len(jobs) == 1 else results, indent=2))
+
+
+def block_span(text: str, cfg: RunConfig) -> range:
+    """The blocks `--block` names: B, A-B or all (of the model's), in training order."""
+    if text == "all":
+        return range(cfg.model.n_blocks)
+    try:
+        first, last = parse_blocks(text)
+    except ValueError as exc:
+        raise click.BadParameter(f"{exc} (or all)", param_hint="--block") from None
+    if last >= cfg.model.n_blocks:
+        raise click.BadParameter(f"the model has blocks 0-{cfg.model.n_blocks - 1}", param_hint="--block")
+    return range(first, last + 1)
 
 
 @contextlib.contextmanager

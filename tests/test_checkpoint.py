@@ -31,6 +31,18 @@ def test_round_trip_restores_weights_config_and_state(tmp_path, tiny):
     assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temp files behind
 
 
+def test_the_same_weights_save_to_the_same_bytes(tmp_path, tiny):
+    """A checkpoint's file is named by its sha256, and training records the sha256 of the blocks it
+    read: the same weights must give the same file every time (safetensors writes metadata entries
+    in a random order, so two entries gave one of two hashes at random)."""
+    block = DiffusionBlock(tiny.model, tiny.noise.sigma_data, 0)
+    shas = set()
+    for i in range(12):
+        checkpoint.save(tmp_path / str(i), "block-0", block, tiny, {"step": 1})
+        shas.add(checkpoint.load(tmp_path / str(i), "block-0").sha256)
+    assert len(shas) == 1
+
+
 def test_truncated_weights_are_refused_with_a_clear_error(tmp_path, tiny):
     save_blocks(tmp_path, tiny)
     path = tmp_path / json.loads((tmp_path / "block-1.json").read_text())["weights"]
