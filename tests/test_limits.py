@@ -341,6 +341,38 @@ def test_a_full_node_names_other_peers_and_is_dialled_again_only_after_a_growing
     assert 1 <= refusals <= 8  # waits of 0.2, 0.4, 0.8, 1.6 s for each way in: every 0.2 s would be 30
 
 
+def test_a_peer_that_came_back_elsewhere_is_dialled_at_its_new_address(tmp_path):
+    """A known peer whose address fails (it restarted on another port) is tried at the address others
+    now give for it; a working address is never replaced by what a peer says."""
+    async def scenario() -> tuple[str, bool, str]:
+        cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "a.json"), gossip_interval=0.2,
+                         gossip_max=0.2)
+        node, moved = Node(cfg, load_or_create(cfg.identity)), None
+        try:
+            await node.start()
+            other_cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / "b.json"))
+            moved = Node(other_cfg, load_or_create(other_cfg.identity))
+            entry = {"node": moved.id, "role": "worker", "blocks": [], "serves": []}
+            node.learn({**entry, "addr": f"127.0.0.1:{free_port()}"}, time.monotonic())  # nobody listens there
+            async with asyncio.timeout(20):
+                while node.known[moved.id].failures == 0:
+                    await asyncio.sleep(0.02)
+            await moved.start()
+            node.learn({**entry, "addr": other_cfg.listen}, time.monotonic())  # as a peer's gossip would say
+            async with asyncio.timeout(20):
+                while moved.id not in node.conns:
+                    await asyncio.sleep(0.02)
+            node.learn({**entry, "addr": "127.0.0.1:9"}, time.monotonic())  # (connected, working: kept)
+            return node.known[moved.id].addr, moved.id in node.conns, other_cfg.listen
+        finally:
+            for n in (moved, node):
+                if n is not None:
+                    await n.stop()
+
+    addr, connected, listen = asyncio.run(scenario())
+    assert connected and addr == listen
+
+
 def test_a_client_waits_for_a_long_generation_as_long_as_its_bytes_come(tmp_path):
     """--timeout bounds the wait for the next message of an answer, not the whole answer: bytes every
     0.3 s for 2 s arrive with a timeout of 1 s; a node that then says nothing for 1 s fails the request."""

@@ -613,8 +613,9 @@ class Node:
 
     def learn(self, entry: dict, now: float) -> None:
         """A peer entry (node, addr, role, blocks, serves) heard from another node: kept in the known-peers
-        table, which gossip dials from, unless it is this node, a client, malformed, or known already
-        (an address heard never replaces one a node gave itself)."""
+        table, which gossip dials from, unless it is this node, a client or malformed. For a peer known
+        already, the address heard replaces the known one only while dials to that one fail (the
+        peer came back elsewhere): a working address is never replaced by hearsay."""
         node = entry["node"]
         if node == self.id or entry["role"] == "client" or not is_node_id(node):
             return
@@ -634,6 +635,9 @@ class Node:
                                         list(entry.get("serves", [])), now, learned=now)
         elif node not in self.conns:
             info.last_seen = now  # someone is still connected to it
+            if info.failures and entry["addr"] != info.addr:
+                log.debug("peer %s: trying %s instead of %s, which failed", node[:8], entry["addr"], info.addr)
+                info.addr, info.retry_at = entry["addr"], 0.0
 
     async def _seed_loop(self) -> None:
         retry = 0.25  # while alone, retry the seeds soon (they may be starting too), backing off
