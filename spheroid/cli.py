@@ -45,6 +45,7 @@ from .train import (
     evaluate_chain,
     evaluate_reference,
     load_chain,
+    load_reference,
     pick_device,
     train_block,
     train_reference,
@@ -500,23 +501,22 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
     have_reference = (Path(ckpt) / f"{checkpoint.REFERENCE}.json").exists()
     if not (have_blocks or have_reference):
         raise Failure(f"{ckpt} holds neither blocks nor a reference checkpoint{what_else(Path(ckpt))}")
-    first = checkpoint.load_blocks(ckpt)[0] if have_blocks else checkpoint.load(ckpt, checkpoint.REFERENCE)
-    context = first.config.model.context
+    model = load_chain(ckpt, dev) if have_blocks else None  # (each loaded once, its files verified once)
+    reference = load_reference(ckpt, dev) if have_reference else None
+    context = (model or reference)[0].model.context
     win = fixed_windows(load_bytes(data_dir, split, variant), windows, context + 1)
     results["bytes"] = win.shape[0] * context
-    if have_blocks:
-        trained = first.config.noise
-        noise = override(trained, steps_per_block=steps_per_block, churn=churn)
-        chain, alone = evaluate_chain(ckpt, win, draws, seed, dev, chunk, noise)
+    if model:
+        noise = override(model[0].noise, steps_per_block=steps_per_block, churn=churn)
+        chain, alone = evaluate_chain(model, win, draws, seed, dev, chunk, noise)
         results.update(chain_ce_m1=chain.ce_one_draw, chain_ce=chain.ce_averaged, block0_alone_ce=alone)
         if bound:
-            terms = evaluate_bound(ckpt, win, seed, dev)
+            terms = evaluate_bound(model, win, seed, dev)
             results.update(bound_ce=terms.total, bound_prior=terms.prior, bound_diffusion=terms.diffusion,
                            bound_reconstruction=terms.reconstruction)
-    if have_reference:
-        results["reference_ce"] = evaluate_reference(ckpt, win, dev)
-        ref = checkpoint.load(ckpt, checkpoint.REFERENCE).config.model
-        results["reference_layers"] = ref.n_blocks * ref.layers_per_block
+    if reference:
+        results["reference_ce"] = evaluate_reference(reference[1], win, dev)
+        results["reference_layers"] = reference[0].model.n_blocks * reference[0].model.layers_per_block
     if as_json:
         click.echo(json.dumps(results, indent=2))
         return

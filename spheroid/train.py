@@ -499,7 +499,10 @@ def train_reference(cfg: RunConfig, data: torch.Tensor, out: Path, device: torch
 # --- evaluation ------------------------------------------------------------------------------------
 
 
-def load_chain(folder: str | Path, device: torch.device) -> tuple[RunConfig, list[DiffusionBlock], torch.Tensor]:
+Chain = tuple[RunConfig, list[DiffusionBlock], torch.Tensor]  # a loaded model: config, blocks, codebook
+
+
+def load_chain(folder: str | Path, device: torch.device) -> Chain:
     """The assembled model in a checkpoint folder: its config, its blocks (eval mode) and codebook."""
     entries = checkpoint.load_blocks(folder)
     checkpoint.require_versions_read(entries, folder)
@@ -551,31 +554,33 @@ def load_state(module: torch.nn.Module, entry: checkpoint.Entry) -> None:
     module.load_state_dict(entry.tensors)
 
 
-def evaluate_chain(folder: str | Path, windows: torch.Tensor, draws: int, seed: int, device: torch.device,
+def evaluate_chain(model: str | Path | Chain, windows: torch.Tensor, draws: int, seed: int, device: torch.device,
                    chunk: int | None = None, noise: NoiseConfig | None = None) -> tuple[ChainScore, float]:
-    """CE of the chain from pure noise (one draw and `draws` averaged), and block 0 alone.
+    """CE of the chain from pure noise (one draw and `draws` averaged), and block 0 alone (`model`: a
+    checkpoint folder, or the chain loaded from one).
 
     `noise` may change how the chain is run (steps per block, churn); by default the trained one.
     """
-    cfg, blocks, codebook = load_chain(folder, device)
+    cfg, blocks, codebook = model if isinstance(model, tuple) else load_chain(model, device)
     gen = torch.Generator(device).manual_seed(seed)
     chain = score(blocks, noise or cfg.noise, codebook, windows, draws, gen, chunk=chunk)
     alone = score_block_alone(blocks[0], cfg.noise, codebook, windows, gen)
     return chain, alone
 
 
-def evaluate_bound(folder: str | Path, windows: torch.Tensor, seed: int, device: torch.device) -> BoundScore:
-    """The variational bound on the CE of the diffusion model the blocks in `folder` define."""
-    cfg, blocks, codebook = load_chain(folder, device)
+def evaluate_bound(model: str | Path | Chain, windows: torch.Tensor, seed: int, device: torch.device) -> BoundScore:
+    """The variational bound on the CE of the diffusion model the blocks in `model` (a checkpoint folder, or
+    the chain loaded from one) define."""
+    cfg, blocks, codebook = model if isinstance(model, tuple) else load_chain(model, device)
     return score_bound(blocks, cfg.noise, codebook, windows, torch.Generator(device).manual_seed(seed))
 
 
 @torch.no_grad()
-def evaluate_reference(folder: str | Path, windows: torch.Tensor, device: torch.device) -> float:
-    """Next-byte CE (nats/byte) of the reference in a checkpoint folder on the given windows."""
-    _, model = load_reference(folder, device)
+def evaluate_reference(reference: str | Path | Reference, windows: torch.Tensor, device: torch.device) -> float:
+    """Next-byte CE (nats/byte) of the reference (in a checkpoint folder, or loaded from one) on the given windows."""
+    model = reference if isinstance(reference, Reference) else load_reference(reference, device)[1]
     nll, count = 0.0, 0
-    progress = Progress(log, f"scoring the reference in {folder}", windows.shape[0], "windows")
+    progress = Progress(log, "scoring the reference", windows.shape[0], "windows")
     for i in range(0, windows.shape[0], 64):
         w = windows[i : i + 64].to(device)
         logits = model(w[:, :-1]).float()
