@@ -404,6 +404,10 @@ def train(blocks, reference, out, config_file, save_every, resume_every, fresh, 
     if cfg.train.steps < 1:
         raise click.BadParameter("train needs at least one step", param_hint="--steps")
     jobs = {checkpoint.REFERENCE: None} if reference else {checkpoint.block_name(b): b for b in block_span(blocks, cfg)}
+    several = not reference and (blocks == "all" or "-" in blocks)  # (--metrics then keys its results by block)
+    if several and cfg.train.refresh_every:
+        raise click.UsageError("--refresh-every trains every block at once, one process each: give one --block B "
+                               "per process (or leave it out to train the range in order)")
     dev = pick_device(device)
     data = load_bytes(data_dir, "train")
     folder = Path(out)
@@ -422,13 +426,14 @@ def train(blocks, reference, out, config_file, save_every, resume_every, fresh, 
                 else:
                     result = train_block(cfg, block, data, folder, dev, **options)
             except Interrupted as exc:
-                click.echo(f"{exc}: run the same command again to continue (--fresh to start over)", err=True)
+                again = "the same command again without --fresh" if fresh else "the same command again"
+                click.echo(f"{exc}: run {again} to continue (--fresh to start over)", err=True)
                 sys.exit(130)
             click.echo(f"{'' if len(jobs) == 1 else name + ': '}done in {duration(result.wall_s)}: loss "
                        f"{result.final_loss:.4f} ce {result.final_ce:.4f}; checkpoint in {out}")
             results[name] = {**vars(result), "config": cfg.to_dict()}
     if metrics:
-        Path(metrics).write_text(json.dumps(results[name] if len(jobs) == 1 else results, indent=2))
+        Path(metrics).write_text(json.dumps(results if several else results[name], indent=2))
 
 
 def block_span(text: str, cfg: RunConfig) -> range:

@@ -7,6 +7,7 @@ each node running the Euler steps of its blocks and handing the noisy tensor to 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 UNKNOWN_RTT_MS = 1000.0  # what a hop whose RTT was never measured costs when routes are compared
@@ -42,12 +43,11 @@ class Hop:
 
 def parse_blocks(text: str) -> tuple[int, int]:
     """'2' or '0-1' -> (first, last)."""
+    if not re.fullmatch(r"[0-9]+(-[0-9]+)?", text):
+        raise ValueError(f"blocks {text!r} must look like 2 or 0-1")
     first, _, last = text.partition("-")
-    try:
-        lo, hi = int(first), int(last or first)
-    except ValueError:
-        raise ValueError(f"blocks {text!r} must look like 2 or 0-1") from None
-    if not 0 <= lo <= hi:
+    lo, hi = int(first), int(last or first)
+    if not lo <= hi:
         raise ValueError(f"blocks {text!r} must be a range first-last with first <= last")
     return lo, hi
 

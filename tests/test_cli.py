@@ -102,6 +102,8 @@ def test_fresh_starts_over(block0, tmp_path, data_dir):
 BAD = {
     "steps 0": ["train", "--block", "0", "--steps", "0"],
     "block beyond the model": ["train", "--block", "4"],
+    "a block range that is not one": ["train", "--block", "1-"],
+    "a block range with --refresh-every": ["train", "--block", "all", "--refresh-every", "5"],
     "heads that do not divide the width": ["train", "--block", "0", "--n-heads", "3"],
     "eval draws 0": ["eval", ".", "--draws", "0"],
     "replicas not numbers": ["swarm", "--replicas", "2,x"],

@@ -363,7 +363,14 @@ def test_a_peer_that_came_back_elsewhere_is_dialled_at_its_new_address(tmp_path)
                 while moved.id not in node.conns:
                     await asyncio.sleep(0.02)
             node.learn({**entry, "addr": "127.0.0.1:9"}, time.monotonic())  # (connected, working: kept)
-            return node.known[moved.id].addr, moved.id in node.conns, other_cfg.listen
+            connected = moved.id in node.conns
+            await moved.stop()
+            async with asyncio.timeout(20):
+                while moved.id in node.conns:
+                    await asyncio.sleep(0.02)
+            node._back_off(node.known[moved.id])  # (as a busy refusal does: it answered, its address works)
+            node.learn({**entry, "addr": "127.0.0.1:9"}, time.monotonic())
+            return node.known[moved.id].addr, connected, other_cfg.listen
         finally:
             for n in (moved, node):
                 if n is not None:

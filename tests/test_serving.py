@@ -39,8 +39,9 @@ def test_route_prefers_low_rtt_and_avoids_excluded_nodes():
     with pytest.raises(ValueError, match="starts at block 3"):
         check_route([Hop("a", "", 0, 1), Hop("c", "", 3, 3)], 4)
     assert parse_blocks("0-1") == (0, 1) and parse_blocks("2") == (2, 2)
-    with pytest.raises(ValueError):
-        parse_blocks("3-1")
+    for bad in ("3-1", "1-", "1_0", "-1", "1--2", " 2", ""):
+        with pytest.raises(ValueError):
+            parse_blocks(bad)
     assert serving_range([2, 1]) == (1, 2) and serving_range([0, 2]) is None and serving_range([]) is None
     with pytest.raises(ValueError, match="route entry"):
         Hop.from_wire(["a", "h:1", 2, 1])

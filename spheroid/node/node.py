@@ -78,8 +78,9 @@ class PeerInfo:
     last_seen: float = field(default_factory=time.monotonic)
     rtt_ms: float | None = None
     learned: float = field(default_factory=time.monotonic)  # peers are dialled oldest-learned first
-    failures: int = 0  # dials that failed in a row
+    failures: int = 0  # dials that failed, or refusals (busy), in a row
     retry_at: float = 0.0  # not dialled again before this (backing off after failures)
+    unreachable: bool = False  # the last dial of its address failed (a refusal is an answer: not that)
 
     def entry(self) -> dict:
         return {"node": self.node, "addr": self.addr, "role": self.role, "blocks": self.blocks, "serves": self.serves}
@@ -586,6 +587,7 @@ class Node:
     async def _dial_learned(self, info: PeerInfo) -> None:
         if await self.dial(info.addr) is None:
             self._back_off(info)  # (its first pong clears the failures: a peer can also say busy once dialled)
+            info.unreachable = True
 
     def _back_off(self, info: PeerInfo) -> None:
         """Dial a peer that failed, or said it is full, again only after a while, longer each time."""
@@ -635,9 +637,9 @@ class Node:
                                         list(entry.get("serves", [])), now, learned=now)
         elif node not in self.conns:
             info.last_seen = now  # someone is still connected to it
-            if info.failures and entry["addr"] != info.addr:
+            if info.unreachable and entry["addr"] != info.addr:  # (tried when its back-off is over, as before)
                 log.debug("peer %s: trying %s instead of %s, which failed", node[:8], entry["addr"], info.addr)
-                info.addr, info.retry_at = entry["addr"], 0.0
+                info.addr, info.unreachable = entry["addr"], False
 
     async def _seed_loop(self) -> None:
         retry = 0.25  # while alone, retry the seeds soon (they may be starting too), backing off
