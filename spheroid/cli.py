@@ -506,8 +506,9 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
     have_reference = (Path(ckpt) / f"{checkpoint.REFERENCE}.json").exists()
     if not (have_blocks or have_reference):
         raise Failure(f"{ckpt} holds neither blocks nor a reference checkpoint{what_else(Path(ckpt))}")
-    model = load_chain(ckpt, dev) if have_blocks else None  # (each loaded once, its files verified once)
-    reference = load_reference(ckpt, dev) if have_reference else None
+    # each loaded once (its files verified once), and one at a time: the chain goes before the reference comes
+    model = load_chain(ckpt, dev) if have_blocks else None
+    reference = None if model else load_reference(ckpt, dev)
     context = (model or reference)[0].model.context
     win = fixed_windows(load_bytes(data_dir, split, variant), windows, context + 1)
     results["bytes"] = win.shape[0] * context
@@ -519,7 +520,9 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
             terms = evaluate_bound(model, win, seed, dev)
             results.update(bound_ce=terms.total, bound_prior=terms.prior, bound_diffusion=terms.diffusion,
                            bound_reconstruction=terms.reconstruction)
-    if reference:
+        model = None
+    if have_reference:
+        reference = reference or load_reference(ckpt, dev)
         results["reference_ce"] = evaluate_reference(reference[1], win, dev)
         results["reference_layers"] = reference[0].model.n_blocks * reference[0].model.layers_per_block
     if as_json:

@@ -1,6 +1,7 @@
 """`bench/quality.py --preset ci` end to end, then the CLI's eval and generate on what it trained."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -76,6 +77,16 @@ def test_cli_eval_reports_the_chain_and_block_zero(bench_run, data_dir):
     assert report["chain_ce"] <= report["chain_ce_m1"] + 1e-6 and "reference_ce" not in report
     proc = run_cli("eval", str(tmp / "work" / "reference"), "--split", "test", "--windows", "8", data_dir=data_dir)
     assert proc.returncode == 0 and "reference, " in proc.stdout and " layers" in proc.stdout and "PPL" in proc.stdout
+    # a folder holding both is scored for both, on the same windows (loaded one after the other)
+    both = tmp / "both"
+    shutil.copytree(tmp / "work" / "blocktrain", both)
+    shutil.copytree(tmp / "work" / "reference", both, dirs_exist_ok=True)
+    proc = run_cli("eval", str(both), "--draws", "2", "--windows", "8", "--json", data_dir=data_dir)
+    assert proc.returncode == 0, proc.stderr
+    joint = json.loads(proc.stdout)
+    assert joint["chain_ce_m1"] == report["chain_ce_m1"] and joint["reference_layers"] >= 1
+    assert joint["reference_ce"] == json.loads(run_cli("eval", str(tmp / "work" / "reference"), "--windows", "8",
+                                                        "--json", data_dir=data_dir).stdout)["reference_ce"]
 
 
 def test_cli_generate_is_seeded_and_returns_the_bytes_asked_for(bench_run):
