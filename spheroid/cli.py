@@ -37,7 +37,7 @@ from .node.node import Node, tune_allocator
 from .node.serving import BlockServer, ReferenceServer
 from .node.worker import BlockWorker
 from .pipeline import parse_blocks
-from .progress import Progress, duration
+from .progress import OneLine, Progress, duration
 from .train import (
     Interrupted,
     clear_run,
@@ -73,6 +73,8 @@ def setup_logging(verbose: int, quiet: bool, log_file: str | None) -> None:
             handlers.append(logging.FileHandler(log_file))
         except OSError as exc:
             raise click.BadParameter(f"cannot open {log_file}: {exc.strerror or exc}", param_hint="--log-file") from exc
+    for handler in handlers:
+        handler.addFilter(OneLine())
     logging.basicConfig(level=level if verbose > 1 else min(level, logging.INFO), handlers=handlers, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("spheroid").setLevel(level)

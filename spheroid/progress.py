@@ -1,5 +1,6 @@
 """Log lines that must neither go silent nor flood: progress of long work (how far, how fast, when
-it will be done), and lines that can repeat without bound (QuietLog)."""
+it will be done), lines that can repeat without bound (QuietLog), and lines that carry a peer's
+text (OneLine)."""
 
 from __future__ import annotations
 
@@ -51,3 +52,25 @@ class QuietLog:
         self._window[kind] = (start, count + 1)
         if count < self.burst:
             self.logger.log(level, text, *args, exc_info=exc_info)
+
+
+class OneLine(logging.Filter):
+    """Keeps every log record one line of bounded length: control characters escaped (a newline
+    shows as \\n), a message longer than `limit` cut. A peer's strings reach log lines (an error's
+    text, a hello's role and address): without this a peer could write lines of its own into a
+    node's log, or fill it with one 64 KiB message. A handler's filter: tracebacks stay as they are."""
+
+    def __init__(self, limit: int = 2000) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text.isprintable() and len(text) <= self.limit:
+            return True
+        if not text.isprintable():
+            text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+        if len(text) > self.limit:
+            text = f"{text[:self.limit]}... ({len(text) - self.limit} characters left out)"
+        record.msg, record.args = text, None
+        return True

@@ -1,6 +1,8 @@
 """A node's resources under abuse, with real sockets: handshakes, stream memory, gossip floods, logs."""
 
 import asyncio
+import contextlib
+import io
 import itertools
 import logging
 import os
@@ -17,7 +19,7 @@ from spheroid.node.accounting import Traffic
 from spheroid.node.connection import Connection, PeerGone, PeerRefused, PeerSilent, dial, listen
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node, open_session
-from spheroid.progress import QuietLog
+from spheroid.progress import OneLine, QuietLog
 from spheroid.wire import encode, stream_frames
 from spheroid.wire.messages import Message, Peers, PeersReply, Status
 
@@ -448,6 +450,50 @@ def test_repetitive_log_lines_are_rate_limited(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["forgetting peer 0", "forgetting peer 1", "forgetting peer 2",
                      lines[3], "forgetting peer 100"] and "97 more forget lines" in lines[3]
+
+
+def test_a_log_record_is_one_line_of_bounded_length_whatever_it_quotes():
+    """A peer's strings are quoted in log lines: escaped, they cannot start lines of their own."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(OneLine(limit=100))
+    logger = logging.getLogger("one-line-test")
+    logger.addHandler(handler)
+    try:
+        logger.warning("peer said %s", "busy\n2026-12-02 ERROR spheroid: forged\r\x1b[2J\u202e")
+        logger.warning("peer said %s", "x" * 5000)
+        logger.warning("plain %d", 1)
+    finally:
+        logger.removeHandler(handler)
+    lines = stream.getvalue().splitlines()
+    assert lines == ["peer said busy\\n2026-12-02 ERROR spheroid: forged\\r\\x1b[2J\\u202e",
+                     "peer said " + "x" * 90 + "... (4910 characters left out)", "plain 1"]
+
+
+def test_what_any_peer_can_repeat_is_logged_a_few_times_and_never_as_its_own_lines(tmp_path):
+    """Forty peers that join, break the protocol and leave make a few log lines, not forty of each;
+    a peer's error text and role, newlines and all, stay within the line that quotes them."""
+    node = NodeProcess(tmp_path, "n").start()
+    try:
+        node.wait_ready()
+        for i in range(40):
+            peer = RawPeer(node.addr)
+            peer.send(hello(role="worker\nFORGED role line" if i == 0 else "worker"))
+            peer.receive()
+            if i == 1:
+                peer.send({"t": "error", "id": 2, "code": "x", "message": "gone\nFORGED error line"})
+            else:
+                peer.send_raw(b"\x00\x00\x00\x01\xc1")  # (a frame msgpack cannot read)
+            with contextlib.suppress(OSError):
+                peer.receive()
+            peer.close()
+        assert node.status()["node"]
+        text = node.log.read_text()
+        assert text.count("protocol error from") <= 5 and text.count(" joined from ") <= 32
+        assert "worker\\nFORGED role line" in text and "gone\\nFORGED error line" in text
+        assert not any(line.startswith("FORGED") for line in text.splitlines())
+    finally:
+        node.stop()
 
 
 def test_a_large_frame_arriving_slowly_is_not_silence_but_no_bytes_are():

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from ..progress import QuietLog
 from ..wire import Encoded, Outgoing, ProtocolError, stream_frames
 from ..wire.messages import INLINE, REPLIES, SCHEMAS, STREAM_FIELDS, Error, Hello, Message
 from ..wire.session import Arrived, Frame, Opened, Refused, Session
@@ -28,6 +29,7 @@ from ..wire.streams import RAW_CHUNK_BYTES
 from .accounting import Traffic
 
 log = logging.getLogger(__name__)
+QUIET = QuietLog(log)  # (lines any peer can repeat by connecting again: at most a few a kind per period)
 
 Handler = Callable[["Connection", Message], Awaitable[None]]
 KEEPALIVE = ("ping", "pong")  # messages that do not count as using a connection
@@ -346,11 +348,12 @@ class Connection(asyncio.BufferedProtocol):
                 else:
                     await handler(self, message)
         except ProtocolError as exc:
-            log.warning("protocol error from %s (%s): %s; closing", self.label, self.remote, exc.message)
+            QUIET.log(logging.WARNING, "protocol error", "protocol error from %s (%s): %s; closing", self.label,
+                      self.remote, exc.message)
             await self.refuse(exc)
         except PeerGone as exc:
             if not self.closed:  # not our own close() ending the read
-                log.info("%s", exc)
+                QUIET.log(logging.INFO, "peer gone", "%s", exc)
         finally:
             await self.close()
 

@@ -149,6 +149,8 @@ class Node:
         self.frames = Budget(FRAMES_IN_FLIGHT)  # large frames being read into place, all connections together
         self.unauthenticated: collections.Counter[str] = collections.Counter()  # handshakes in progress by host
         self.quiet = QuietLog(log)
+        # peers joining and leaving: a swarm's start logs dozens at once, but anyone can connect and leave in a loop
+        self.membership_log = QuietLog(log, burst=32)
         self._pinging: set[Connection] = set()  # connections with a ping on its way (one at a time)
         self._seeds_failing: dict[str, float] = {}  # seed address -> when dialling it first failed
         self._seeds_busy: dict[str, tuple[int, float]] = {}  # seed address -> (times it said busy, retry at)
@@ -351,7 +353,8 @@ class Node:
         if self.conns.get(conn.label) is conn:
             del self.conns[conn.label]
             self._membership_changed.set()
-            log.info("peer %s (%s) disconnected", conn.label[:8], hello.addr)
+            self.membership_log.log(logging.INFO, "disconnected", "peer %s (%s) disconnected", conn.label[:8],
+                                    hello.addr)
 
     async def _admitted_hello(self, conn: Connection) -> Hello | None:
         """The peer's hello once the handshake is through, or None (refused, failed, too slow); it
@@ -413,8 +416,8 @@ class Node:
             self.spawn(existing.close())
         info = self.known.get(conn.label)
         if info is None:
-            log.info("peer %s joined from %s (role %s, blocks %s)", conn.label[:8], hello.addr, hello.role,
-                     hello.blocks)
+            self.membership_log.log(logging.INFO, "joined", "peer %s joined from %s (role %s, blocks %s)",
+                                    conn.label[:8], hello.addr, hello.role, hello.blocks)
         self.known[conn.label] = PeerInfo(conn.label, hello.addr, hello.role, hello.blocks, list(hello.serves or []),
                                           rtt_ms=info.rtt_ms if info else None, failures=info.failures if info else 0,
                                           retry_at=info.retry_at if info else 0.0)  # (a full peer stays backed off)

@@ -314,7 +314,7 @@ class PipelineServer(ABC):
         try:
             await work
         except PeerGone:
-            log.info("client of request %d went away", msg.id)
+            self.node.quiet.log(logging.INFO, "client gone", "client of request %d went away", msg.id)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the client hears it and the node goes on
             if isinstance(exc, (NoRoute, HopFailed, ValueError)):
                 code = {NoRoute: "no_route", HopFailed: "hop_failed"}.get(type(exc), "bad_request")
@@ -362,8 +362,8 @@ class PipelineServer(ABC):
             finally:
                 self.waiting.pop(key, None)
             self.counters["reroutes"] += 1
-            log.warning("traversal %d of session %s failed (attempt %d): %s", traversal, fields["session"], attempt + 1,
-                        error)
+            self.node.quiet.log(logging.WARNING, "failed traversal", "traversal %d of session %s failed (attempt "
+                                "%d): %s", traversal, fields["session"], attempt + 1, error)
         raise HopFailed("", f"the request failed after {self.retries + 1} attempts: {error}")
 
     async def _unresponsive(self, route: list[Hop]) -> set[str]:

@@ -670,7 +670,8 @@ class BlockWorker:
                                                 left=left if change is None else None))
             self.served += 1
         except PeerGone as exc:
-            log.info("state transfer to %s stopped: %s", conn.label[:8], exc)
+            self.node.quiet.log(logging.INFO, "transfer stopped", "state transfer to %s stopped: %s", conn.label[:8],
+                                exc)
         finally:
             self.serving[kind] -= 1
 
