@@ -116,9 +116,37 @@ def remove(folder: str | os.PathLike, name: str) -> None:
         path.unlink(missing_ok=True)
 
 
+def read_config(folder: str | os.PathLike, name: str) -> RunConfig:
+    """The configuration a module's record holds, the record checked but its weights not read (a
+    clear CheckpointError on anything wrong): to check a folder before the work that loads it."""
+    return _record(Path(folder), name)[0]
+
+
 def load(folder: str | os.PathLike, name: str) -> Entry:
     """Load and verify one module's checkpoint; a clear CheckpointError on anything wrong."""
     folder = Path(folder)
+    config, weights, expected, state = _record(folder, name)
+    path = folder / f"{name}.json"
+    weights = folder / weights
+    try:
+        blob = weights.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {weights}: {exc}") from exc
+    actual = hashlib.sha256(blob).hexdigest()
+    if actual != expected:
+        raise CheckpointError(
+            f"{weights} ({len(blob)} bytes, sha256 {actual[:12]}) does not match the sha256 {str(expected)[:12]} "
+            f"recorded in {path}: one of the two is damaged, truncated or altered; restore both from a peer or a backup"
+        )
+    try:
+        tensors = load_safetensors(blob)
+    except SafetensorError as exc:
+        raise CheckpointError(f"{weights} is not a valid safetensors file: {exc}") from exc
+    return Entry(name, config, state, tensors, actual)
+
+
+def _record(folder: Path, name: str) -> tuple[RunConfig, str, Any, dict]:
+    """A module's record, checked: its configuration, weights file name, their recorded sha256, state."""
     path = folder / f"{name}.json"
     try:
         record = json.loads(path.read_text())
@@ -141,22 +169,7 @@ def load(folder: str | os.PathLike, name: str) -> Entry:
     if not isinstance(state, dict) or not isinstance(state.get("reads") or {}, dict) or not all(
             isinstance(read, dict) for read in (state.get("reads") or {}).values()):
         raise CheckpointError(f"{path} has a malformed record: its state must be a map, and its reads a map of maps")
-    weights = folder / weights
-    try:
-        blob = weights.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {weights}: {exc}") from exc
-    actual = hashlib.sha256(blob).hexdigest()
-    if actual != expected:
-        raise CheckpointError(
-            f"{weights} ({len(blob)} bytes, sha256 {actual[:12]}) does not match the sha256 {str(expected)[:12]} "
-            f"recorded in {path}: one of the two is damaged, truncated or altered; restore both from a peer or a backup"
-        )
-    try:
-        tensors = load_safetensors(blob)
-    except SafetensorError as exc:
-        raise CheckpointError(f"{weights} is not a valid safetensors file: {exc}") from exc
-    return Entry(name, config, state, tensors, actual)
+    return config, weights, expected, state
 
 
 def block_indices(folder: str | os.PathLike) -> list[int]:

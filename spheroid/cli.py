@@ -37,7 +37,7 @@ from .node.node import Node, tune_allocator
 from .node.serving import BlockServer, ReferenceServer
 from .node.worker import BlockWorker
 from .pipeline import parse_blocks
-from .progress import OneLine, Progress, duration
+from .progress import OneLineFormatter, Progress, duration
 from .train import (
     Interrupted,
     clear_run,
@@ -74,9 +74,8 @@ def setup_logging(verbose: int, quiet: bool, log_file: str | None) -> None:
         except OSError as exc:
             raise click.BadParameter(f"cannot open {log_file}: {exc.strerror or exc}", param_hint="--log-file") from exc
     for handler in handlers:
-        handler.addFilter(OneLine())
-    logging.basicConfig(level=level if verbose > 1 else min(level, logging.INFO), handlers=handlers, force=True,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level if verbose > 1 else min(level, logging.INFO), handlers=handlers, force=True)
     logging.getLogger("spheroid").setLevel(level)
     logging.getLogger().setLevel(level if verbose > 1 else max(level, logging.INFO))
 
@@ -508,6 +507,12 @@ def evaluate(ckpt, split, variant, chunk, draws, steps_per_block, churn, seed, w
     have_reference = (Path(ckpt) / f"{checkpoint.REFERENCE}.json").exists()
     if not (have_blocks or have_reference):
         raise Failure(f"{ckpt} holds neither blocks nor a reference checkpoint{what_else(Path(ckpt))}")
+    if have_blocks and have_reference:  # (checked before the chain's minutes of work, not after)
+        contexts = [checkpoint.read_config(ckpt, name).model.context
+                    for name in (checkpoint.block_name(0), checkpoint.REFERENCE)]
+        if contexts[0] != contexts[1]:
+            raise Failure(f"{ckpt} holds a chain of context {contexts[0]} and a reference of context {contexts[1]}: "
+                          "both are scored on the same windows; evaluate them from folders of their own")
     # each loaded once (its files verified once), and one at a time: the chain goes before the reference comes
     model = load_chain(ckpt, dev) if have_blocks else None
     reference = None if model else load_reference(ckpt, dev)

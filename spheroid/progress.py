@@ -1,6 +1,6 @@
 """Log lines that must neither go silent nor flood: progress of long work (how far, how fast, when
 it will be done), lines that can repeat without bound (QuietLog), and lines that carry a peer's
-text (OneLine)."""
+text (OneLineFormatter)."""
 
 from __future__ import annotations
 
@@ -54,23 +54,24 @@ class QuietLog:
             self.logger.log(level, text, *args, exc_info=exc_info)
 
 
-class OneLine(logging.Filter):
-    """Keeps every log record one line of bounded length: control characters escaped (a newline
-    shows as \\n), a message longer than `limit` cut. A peer's strings reach log lines (an error's
-    text, a hello's role and address): without this a peer could write lines of its own into a
-    node's log, or fill it with one 64 KiB message. A handler's filter: tracebacks stay as they are."""
+def one_line(text: str, limit: int) -> str:
+    """`text` as one line of at most about `limit` characters: control characters escaped (a newline
+    shows as \\n), the rest cut with a count of what was left out."""
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} characters left out)"
 
-    def __init__(self, limit: int = 2000) -> None:
-        super().__init__()
+
+class OneLineFormatter(logging.Formatter):
+    """Formats every log message as one line of bounded length (`one_line`). A peer's strings reach
+    log messages (an error's text, a hello's role and address): without this a peer could write
+    lines of its own into a node's log, or fill it with one 64 KiB message. Tracebacks that follow a
+    message keep their lines."""
+
+    def __init__(self, fmt: str, limit: int = 2000) -> None:
+        super().__init__(fmt)
         self.limit = limit
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        if text.isprintable() and len(text) <= self.limit:
-            return True
-        if not text.isprintable():
-            text = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-        if len(text) > self.limit:
-            text = f"{text[:self.limit]}... ({len(text) - self.limit} characters left out)"
-        record.msg, record.args = text, None
-        return True
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        record.message = one_line(record.message, self.limit)  # (each handler's format sets it afresh)
+        return super().formatMessage(record)

@@ -19,7 +19,7 @@ from spheroid.node.accounting import Traffic
 from spheroid.node.connection import Connection, PeerGone, PeerRefused, PeerSilent, dial, listen
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node, open_session
-from spheroid.progress import OneLine, QuietLog
+from spheroid.progress import OneLineFormatter, QuietLog
 from spheroid.wire import encode, stream_frames
 from spheroid.wire.messages import Message, Peers, PeersReply, Status
 
@@ -453,21 +453,32 @@ def test_repetitive_log_lines_are_rate_limited(caplog):
 
 
 def test_a_log_record_is_one_line_of_bounded_length_whatever_it_quotes():
-    """A peer's strings are quoted in log lines: escaped, they cannot start lines of their own."""
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.addFilter(OneLine(limit=100))
+    """A peer's strings are quoted in log messages: escaped, they cannot start lines of their own; and
+    every handler (stderr, --log-file) shows the same line. A traceback keeps its lines, and a bad
+    logging call is logging's own error, not the caller's."""
+    streams = [io.StringIO(), io.StringIO()]
+    handlers = [logging.StreamHandler(stream) for stream in streams]
     logger = logging.getLogger("one-line-test")
-    logger.addHandler(handler)
+    logger.propagate = False  # (pytest's own handler raises on a bad call)
+    for handler in handlers:
+        handler.setFormatter(OneLineFormatter("%(levelname)s %(message)s", limit=100))
+        logger.addHandler(handler)
     try:
         logger.warning("peer said %s", "busy\n2026-12-02 ERROR spheroid: forged\r\x1b[2J\u202e")
         logger.warning("peer said %s", "x" * 5000)
-        logger.warning("plain %d", 1)
+        logger.warning("bad %d %d", 1)  # (reported by logging on stderr, as it would be without the formatter)
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            logger.exception("failed %s", "here")
     finally:
-        logger.removeHandler(handler)
-    lines = stream.getvalue().splitlines()
-    assert lines == ["peer said busy\\n2026-12-02 ERROR spheroid: forged\\r\\x1b[2J\\u202e",
-                     "peer said " + "x" * 90 + "... (4910 characters left out)", "plain 1"]
+        for handler in handlers:
+            logger.removeHandler(handler)
+    first, second = (stream.getvalue().splitlines() for stream in streams)
+    assert first == second
+    assert first[:3] == ["WARNING peer said busy\\n2026-12-02 ERROR spheroid: forged\\r\\x1b[2J\\u202e",
+                         "WARNING peer said " + "x" * 90 + "... (4910 characters left out)", "ERROR failed here"]
+    assert first[3] == "Traceback (most recent call last):" and first[-1] == "ValueError: boom"
 
 
 def test_what_any_peer_can_repeat_is_logged_a_few_times_and_never_as_its_own_lines(tmp_path):

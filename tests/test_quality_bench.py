@@ -1,11 +1,16 @@
 """`bench/quality.py --preset ci` end to end, then the CLI's eval and generate on what it trained."""
 
+import gc
 import json
 import shutil
 import subprocess
 import sys
+import weakref
 
 import pytest
+from click.testing import CliRunner
+
+from spheroid import cli, train
 
 from .conftest import ROOT, run_bench
 
@@ -87,6 +92,41 @@ def test_cli_eval_reports_the_chain_and_block_zero(bench_run, data_dir):
     assert joint["chain_ce_m1"] == report["chain_ce_m1"] and joint["reference_layers"] >= 1
     assert joint["reference_ce"] == json.loads(run_cli("eval", str(tmp / "work" / "reference"), "--windows", "8",
                                                         "--json", data_dir=data_dir).stdout)["reference_ce"]
+
+
+def test_eval_of_a_chain_and_a_reference_holds_one_model_at_a_time(bench_run, data_dir, monkeypatch):
+    """The chain is gone before the reference is loaded; a reference of another context is refused
+    before the chain is scored, not after."""
+    tmp, _, _ = bench_run
+    both = tmp / "both-in-process"
+    shutil.copytree(tmp / "work" / "blocktrain", both)
+    shutil.copytree(tmp / "work" / "reference", both, dirs_exist_ok=True)
+    blocks, order = [], []
+
+    def load_chain(folder, device):
+        chain = train.load_chain(folder, device)
+        blocks.extend(weakref.ref(b) for b in chain[1])
+        order.append("chain")
+        return chain
+
+    def load_reference(folder, device):
+        gc.collect()
+        order.append("reference" if blocks and all(ref() is None for ref in blocks) else "reference, chain alive")
+        return train.load_reference(folder, device)
+
+    monkeypatch.setattr(cli, "load_chain", load_chain)
+    monkeypatch.setattr(cli, "load_reference", load_reference)
+    result = CliRunner().invoke(cli.main, ["eval", str(both), "--draws", "1", "--windows", "4", "--json",
+                                           "--data", str(data_dir)])
+    assert result.exit_code == 0, result.output
+    assert order == ["chain", "reference"] and "reference_ce" in json.loads(result.stdout)
+    record = both / "reference.json"
+    changed = json.loads(record.read_text())
+    changed["config"]["model"]["context"] += 1
+    record.write_text(json.dumps(changed))
+    order.clear()
+    result = CliRunner().invoke(cli.main, ["eval", str(both), "--data", str(data_dir)])
+    assert result.exit_code == 1 and "a reference of context" in result.output and order == []
 
 
 def test_cli_generate_is_seeded_and_returns_the_bytes_asked_for(bench_run):

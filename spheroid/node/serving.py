@@ -534,7 +534,7 @@ class BlockServer(PipelineServer):
 
     def __init__(self, node: Node, folder: str | Path, first: int, last: int, hop_timeout: float = 10.0,
                  retries: int = 2, cache_mb: float = 256.0, session_ttl: float = 300.0) -> None:
-        n_blocks = checkpoint.load(folder, checkpoint.block_name(first)).config.model.n_blocks
+        n_blocks = checkpoint.read_config(folder, checkpoint.block_name(first)).model.n_blocks
         if last >= n_blocks:
             raise ValueError(f"--serve {first}-{last}: the model in {folder} has blocks 0-{n_blocks - 1}")
         entries = [checkpoint.load(folder, checkpoint.block_name(b)) for b in range(first, last + 1)]
