@@ -319,7 +319,7 @@ class PipelineServer(ABC):
             if isinstance(exc, (NoRoute, HopFailed, ValueError)):
                 code = {NoRoute: "no_route", HopFailed: "hop_failed"}.get(type(exc), "bad_request")
             else:
-                log.exception("request %d failed", msg.id)
+                self.node.quiet.log(logging.ERROR, "failed request", "request %d failed", msg.id, exc_info=True)
                 code = "internal"
             with contextlib.suppress(PeerGone):
                 await conn.send(messages.Error(re=msg.id, code=code, message=str(exc)))
