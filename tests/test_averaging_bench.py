@@ -18,7 +18,7 @@ from averaging import summary  # noqa: E402
 def test_averaging_bench_runs_both_systems_and_a_butterfly_round_sends_two_vectors(tmp_path):
     out = tmp_path / "averaging.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "averaging.py"), "--procs", "3", "--params", "30000",
-                           "--rounds", "2", "--interval", "3", "--out", str(out)],
+                           "--rounds", "2", "--interval", "1.5", "--out", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
