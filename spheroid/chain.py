@@ -334,7 +334,7 @@ def accept_draft(logits: torch.Tensor, draft: bytes, temperature: float, seed: i
                 return bytes(out) + sample_bytes(logits[j : j + 1], temperature, seed, first + j)
         else:
             gen = traversal_generators(seed, first + j, logits.device)[1]
-            probs = fn.softmax(logits[j].float() / temperature, dim=-1).to(gen.device)
+            probs = probabilities(logits[j], temperature).to(gen.device)
             if torch.rand((), generator=gen, device=gen.device).item() >= probs[byte].item():
                 probs[byte] = 0.0
                 return bytes(out) + bytes([int(torch.multinomial(probs, 1, generator=gen))])
@@ -448,5 +448,14 @@ def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator)
     """One byte per row of logits (n, V): argmax at temperature 0, else a draw from softmax(l / T)."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
-    probs = fn.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1)
+    return torch.multinomial(probabilities(logits, temperature).to(generator.device), 1,
+                             generator=generator).squeeze(-1)
+
+
+def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) over the last dimension, in float32, for any T > 0: the logits are shifted
+    by their maximum before the division, and T is at least float32's smallest normal number, so that
+    a tiny T (1e-300, 0 in float32) makes the most likely bytes certain instead of giving NaN."""
+    logits = logits.float()
+    temperature = max(temperature, torch.finfo(torch.float32).tiny)
+    return fn.softmax((logits - logits.amax(dim=-1, keepdim=True)) / temperature, dim=-1)

@@ -9,7 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as fn
 
-from spheroid.chain import accept_draft, generate, lookup_draft, next_traversal, traversal_generators, window_start
+from spheroid.chain import (
+    accept_draft,
+    generate,
+    lookup_draft,
+    next_traversal,
+    probabilities,
+    sample,
+    traversal_generators,
+    window_start,
+)
 from spheroid.model import make_codebook
 
 from .test_model import blocks_for
@@ -77,6 +86,18 @@ def test_at_temperature_zero_drafts_are_kept_while_they_are_the_most_likely_byte
     assert accept_draft(logits, bytes([7, 8, 9]), 0.0, 0, 0) == bytes([7, 8, 9, 10])  # all kept, and one more
     assert accept_draft(logits, bytes([7, 1, 9]), 0.0, 0, 0) == bytes([7, 8])  # the first refused is replaced
     assert accept_draft(logits[:1], b"", 0.0, 0, 0) == bytes([7])
+
+
+def test_any_temperature_above_zero_gives_probabilities_and_a_tiny_one_the_most_likely_byte():
+    logits = torch.randn(4, 256, generator=torch.Generator().manual_seed(0)) * 30
+    for temperature in (1e-300, 5e-324, 1e-30, 0.7, 1e300):  # (1e-300 is 0 in float32)
+        probs = probabilities(logits, temperature)
+        assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(4))
+    best = logits.argmax(-1)
+    assert torch.equal(sample(logits, 1e-300, traversal_generators(0, 0, torch.device("cpu"))[1]), best)
+    assert accept_draft(logits, bytes(best[:3].tolist()), 1e-300, 0, 0) == bytes(best.tolist())
+    assert accept_draft(logits, bytes([int(best[0]) ^ 1]), 1e-300, 0, 0) == bytes(best[:1].tolist())
+    assert torch.allclose(probabilities(logits, 0.7), fn.softmax(logits / 0.7, dim=-1), atol=1e-6)
 
 
 def test_speculative_generation_is_chunk_one_generation_in_fewer_traversals(tiny):

@@ -21,7 +21,7 @@ from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node, open_session
 from spheroid.progress import OneLineFormatter, QuietLog
 from spheroid.wire import encode, stream_frames
-from spheroid.wire.messages import Message, Peers, PeersReply, Status
+from spheroid.wire.messages import Error, Message, Peers, PeersReply, StateGet, StateReply, Status, StatusReply
 
 from .nodes import NodeProcess, RawPeer, free_port, hello, wait_until
 
@@ -546,6 +546,110 @@ def test_a_large_frame_arriving_slowly_is_not_silence_but_no_bytes_are():
     slow, what, waited = asyncio.run(scenario())
     assert slow > 2.0 and what == f"peers; silent: {'cd' * 16} sent nothing for 1.0s"
     assert 0.9 < waited < 5.0
+
+
+def test_a_state_transfer_is_waited_for_while_its_stream_comes_and_a_late_reply_is_dropped(tmp_path):
+    """A state transfer slower than the timeout is waited for as long as its bytes keep coming; one
+    whose stream stops times out. A reply that comes after its request gave up is
+    dropped, and the connection (which carries averaging too) stays open."""
+
+    async def transfer() -> tuple[float, str, str]:
+        ours, theirs = socket.socketpair()
+        me = {"addr": "127.0.0.1:1", "role": "worker", "blocks": [], "boot": b"12345678"}
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.connect_accepted_socket(
+            lambda: Connection(Traffic(), open_session({**me, "node": "ab" * 16}, NodeConfig(), None, False, 1 << 24),
+                               timeout=1.0), ours)
+        peer = open_session({**me, "node": "cd" * 16}, NodeConfig(), None, True, 1 << 24)
+        theirs.setblocking(False)
+        await loop.sock_sendall(theirs, peer.data_to_send())
+        await conn.open()
+        peer.receive_data(await loop.sock_recv(theirs, 1 << 16))
+
+        async def nothing(_conn, _msg) -> None:
+            pass
+
+        serving = asyncio.ensure_future(conn.serve(nothing, 30.0))
+
+        async def asked() -> Message:
+            while True:
+                events = peer.receive_data(await loop.sock_recv(theirs, 1 << 16))
+                if events:
+                    return events[-1].message
+
+        start = time.monotonic()
+        request = asyncio.ensure_future(conn.request(StateGet(block=0)))
+        get = await asked()
+        ids = itertools.count(100)
+        frames = b"".join(out.frame for out in stream_frames(torch.randn(1 << 18), 7, lambda: next(ids)))
+        frames += peer.send(StateReply(re=get.id, block=0, round=1, samples=1, hash="ab", stream=7, config={}))
+        for at in range(0, len(frames), len(frames) // 25 + 1):  # 1 MiB over 2.5 s, 0.1 s apart
+            await loop.sock_sendall(theirs, frames[at : at + len(frames) // 25 + 1])
+            await asyncio.sleep(0.1)
+        reply = await request
+        slow = time.monotonic() - start
+        # a stream that stops: the request gives up a timeout after its last frame
+        request = asyncio.ensure_future(conn.request(StateGet(block=0)))
+        get = await asked()
+        frames = b"".join(out.frame for out in stream_frames(torch.randn(1 << 16), 9, lambda: next(ids)))
+        await loop.sock_sendall(theirs, frames[: len(frames) // 2])
+        try:
+            await request
+            gave_up = "no"
+        except PeerGone as exc:
+            gave_up = str(exc)
+        await loop.sock_sendall(theirs, frames[len(frames) // 2 :])
+        await loop.sock_sendall(theirs, peer.send(StateReply(re=get.id, block=0, round=1, samples=1, hash="ab",
+                                                             stream=9, config={})))
+        await asyncio.sleep(0.3)
+        state = "open" if not conn.closed and not serving.done() else "closed"
+        serving.cancel()
+        await conn.close()
+        theirs.close()
+        return slow, f"{reply.t} {tuple(reply.tensor.shape)}", f"{gave_up}; then {state}"
+
+    slow, reply, late = asyncio.run(transfer())
+    assert slow > 2.0 and reply == "state_reply (262144,)"
+    assert late == f"{'cd' * 16} did not answer state_get within 1.0s of the last bytes it sent; then open"
+
+
+def test_a_late_reply_or_error_is_dropped_and_the_connection_stays_open(tmp_path):
+    """A reply (or an error) to a request that timed out closes nothing: the peer only answered late."""
+
+    async def scenario() -> tuple[str, str, bool]:
+        nodes = []
+        for name in ("a", "b"):
+            peers = (nodes[0].cfg.listen,) if nodes else ()
+            cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / f"{name}.json"), peers=peers)
+            nodes.append(Node(cfg, load_or_create(cfg.identity)))
+            await nodes[-1].start()
+        a, b = nodes
+
+        async def slow_status(conn, msg) -> None:
+            await asyncio.sleep(0.6)
+            await conn.send(StatusReply(re=msg.id, status={}))
+            await conn.send(Error(re=msg.id, code="busy", message="late as well"))
+
+        a.handlers["status"] = slow_status
+        try:
+            while a.id not in b.conns:
+                await asyncio.sleep(0.05)
+            conn = b.conns[a.id]
+            try:
+                await conn.request(Status(), timeout=0.3)
+                first = "answered"
+            except PeerGone as exc:
+                first = str(exc)
+            await asyncio.sleep(1.0)
+            a.handlers["status"] = a._on_status
+            second = (await conn.request(Status(), timeout=5.0)).t
+            return first, second, b.conns.get(a.id) is conn and not conn.closed
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    first, second, same = asyncio.run(scenario())
+    assert first.endswith("did not answer status within 0.3s") and second == "status_reply" and same
 
 
 def test_a_refusal_that_arrives_with_the_close_is_still_read_as_a_refusal():

@@ -4,6 +4,7 @@ bad requests. Serving nodes are separate processes through the CLI, on 127.0.0.1
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from spheroid.node.connection import PeerGone
 from spheroid.node.serving import Batcher
 from spheroid.pipeline import Hop, NoRoute, build_route, check_route, parse_blocks, serving_range
 from spheroid.train import load_chain
-from spheroid.wire import encode
+from spheroid.wire import encode, stream_frames
 
 from .nodes import NodeProcess, RawPeer, handshake_then, hello, stop_all, wait_until
 
@@ -235,7 +236,7 @@ def test_a_hung_middle_hop_is_routed_around(servers):
     ({"k": 999}, "k must be"),
     ({"route": [["nobody", "127.0.0.1:1", 0, 1]]}, "route covers blocks 0..1"),
     ({"seed": 1 << 63}, "seed must be at most"),
-    ({"temperature": float("nan")}, "finite temperature"),
+    ({"temperature": float("nan")}, "temperature must be finite"),
 ])
 def test_bad_requests_get_a_clear_error_and_the_nodes_keep_serving(servers, request_fields, code):
     head, _, _ = pipeline(servers, "--hop-timeout", "2")
@@ -447,3 +448,53 @@ def test_one_node_serving_every_block_relays_nothing_and_gives_the_same_bytes(se
     got = ask(whole.addr, mode="ar", k=1, temperature=0.8)
     assert got["data"] == generate(blocks, cfg.noise, codebook, b"The ", 24, 1, 0.8, 5)
     assert whole.status()["serving"]["relayed_rows"] == 0
+
+
+def test_a_clients_requests_at_once_are_capped_and_a_tiny_temperature_samples_the_most_likely_byte(servers):
+    """One connection's ninth request at once is refused as busy (one client cannot fill the hop
+    queues for everyone); a temperature too small for float32 (1e-300) gives temperature 0's bytes,
+    not NaN probabilities that would fail every hop batched with it."""
+    whole = servers("whole", "0-3")
+    wait_until(lambda: whole.status()["serving"], 60, "the node to serve")
+    peer = RawPeer(whole.addr, timeout=60)
+    try:
+        peer.send(hello(role="client"))
+        peer.receive()
+        peer.send_raw(b"".join(encode({"t": "score", "id": 10 + i, "text": bytes(range(32, 127)) * 4, "chunk": 1,
+                                       "seed": 0, "route": []}) for i in range(9)))  # (at once: one write)
+        replies = [peer.receive()[0] for _ in range(9)]
+    finally:
+        peer.close()
+    refused = [r for r in replies if r["t"] == "error"]
+    assert [(r["code"], r["re"]) for r in refused] == [("busy", 18)]
+    assert sorted(r["re"] for r in replies if r["t"] == "score_reply") == list(range(10, 18))
+    assert ask(whole.addr, temperature=1e-300)["data"] == ask(whole.addr, temperature=0.0)["data"]
+
+
+def test_a_reference_hop_beyond_the_window_is_refused(servers):
+    """A peer's hop to a reference node may not grow a session's positions past the context (its KV
+    cache and attention would grow with whatever the peer sends)."""
+    tail = servers("rtail", "1-3", None, "--serve-reference")
+    serving = wait_until(lambda: tail.status()["serving"], 60, "the node to serve")
+    context, me = serving["context"], hello(role="worker", addr="")
+    ids = itertools.count(100)
+    peer = RawPeer(tail.addr)
+    try:
+        peer.send(me)
+        peer.receive()
+        for n in (context + 1, 4):  # too many positions, then a hop that fits
+            z = torch.randn(1, n, 32)
+            peer.send_raw(b"".join(out.frame for out in stream_frames(z, n, lambda: next(ids))))
+            peer.send({"t": "hop", "id": next(ids), "session": f"s{n}", "traversal": 0, "at": 1,
+                       "model": serving["model"], "route": [[me["node"], "", 0, 0], [tail.status()["node"], tail.addr,
+                                                                                     1, 3]],
+                       "coordinator": [me["node"], "", 0, 0], "ctx": b"x" * n, "start": 0, "n_noisy": n, "chunk": 1,
+                       "temperature": 0.0, "seed": 0, "z": n})
+            while (got := peer.receive()[0])["t"] not in ("hop_error", "hop_done"):
+                pass
+            if n > context:
+                assert got["t"] == "hop_error" and f"{n} new positions from position 0 do not fit" in got["message"]
+            else:
+                assert got["t"] == "hop_done" and len(got["data"]) == 1
+    finally:
+        peer.close()

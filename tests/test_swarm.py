@@ -22,7 +22,7 @@ from spheroid.node.client import with_holder_notes
 from spheroid.wire import encode, stream_frames
 from spheroid.wire.messages import StateReply
 
-from .nodes import NodeProcess, handshake_then, stop_all, wait_until
+from .nodes import NodeProcess, RawPeer, handshake_then, hello, stop_all, wait_until
 
 TINY = ["--d-model", "32", "--n-heads", "2", "--layers-per-block", "1", "--context", "32", "--batch", "8",
         "--threads", "1"]
@@ -178,6 +178,20 @@ def test_bad_updates_from_the_wire_are_rejected_and_the_node_keeps_training(swar
     wait_until(lambda: training(node)["step"] > before, 30, "training to go on")
     log = node.log.read_text()
     assert "NaN, Inf" in log and "wrong shape" in log
+    # five state requests in one write: two snapshots stream at once, the other three hear busy
+    peer = RawPeer(node.addr, timeout=30)
+    try:
+        peer.send(hello(role="worker"))
+        peer.receive()
+        peer.send_raw(b"".join(encode({"t": "state_get", "id": 10 + i, "block": 0}) for i in range(5)))
+        answers = []
+        while len(answers) < 5:
+            message, _ = peer.receive()
+            if message["t"] in ("state_reply", "error"):
+                answers.append(message.get("code", message["t"]))
+    finally:
+        peer.close()
+    assert sorted(answers) == ["busy", "busy", "busy", "state_reply", "state_reply"]
 
 
 def test_int2_refreshes_send_the_change_from_the_copy_held(swarm):

@@ -196,9 +196,13 @@ async def request_state(conn: Connection, block: int, n_params: int | None = Non
     ValueError if the reply does not add up; PeerGone if the peer cannot or will not send it.
     """
     reply = await conn.request(StateGet(block=block, since=since, codec=codec))
+    if reply.block != block:
+        raise ValueError(f"the state of block {reply.block}, not of block {block}")
     run_cfg = RunConfig.from_dict(reply.config)
-    if n_params is None:
-        n_params = sum(p.numel() for p in DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data, block).parameters())
+    if n_params is None:  # (counted without allocating them: the config is the peer's)
+        with torch.device("meta"):
+            shape = DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data, block)
+        n_params = sum(p.numel() for p in shape.parameters())
     version = Version(reply.round, reply.samples, reply.hash)
     if reply.since is None:
         return run_cfg, with_holder_notes(SharedState.unpack(version, reply.tensor, n_params), reply)
@@ -249,14 +253,21 @@ async def remote_generate(addr: str, cfg: NodeConfig, request: dict, on_bytes=No
     with "data" (all the bytes) added; PeerGone on an error reply.
     """
     chunks: list[bytes] = []
+    received = 0
 
-    def on_message(msg: Message, done: asyncio.Future) -> None:
+    def on_message(msg: Message, done: asyncio.Future) -> bool:
+        nonlocal received
         if isinstance(msg, GenBytes):
+            received += len(msg.data)
+            if received > request["n_bytes"]:
+                done.set_exception(PeerGone(f"{addr} sent {received} bytes of the {request['n_bytes']} asked for"))
+                return True
             chunks.append(msg.data)
             if on_bytes is not None:
                 on_bytes(msg.data)
         elif isinstance(msg, GenDone):
             done.set_result({**msg.to_wire(), "data": b"".join(chunks)})
+        return isinstance(msg, (GenBytes, GenDone))
 
     return await _streamed(addr, cfg, secret, Generate(**request), on_message, timeout)
 
@@ -265,9 +276,10 @@ async def remote_score(addr: str, cfg: NodeConfig, request: dict, secret: bytes 
                        timeout: float = 600.0) -> dict:
     """CE of a text through the pipeline that the serving node at addr coordinates: its score_reply's fields."""
 
-    def on_message(msg: Message, done: asyncio.Future) -> None:
+    def on_message(msg: Message, done: asyncio.Future) -> bool:
         if isinstance(msg, ScoreReply):
             done.set_result(msg.to_wire())
+        return isinstance(msg, ScoreReply)
 
     return await _streamed(addr, cfg, secret, Score(**request), on_message, timeout)
 
@@ -312,11 +324,11 @@ async def score_text(addr: str, cfg: NodeConfig, text: bytes, context: int, requ
 
 
 async def _streamed(addr: str, cfg: NodeConfig, secret: bytes | None, message: Message,
-                    on_message: Callable[[Message, asyncio.Future], None], timeout: float) -> dict:
+                    on_message: Callable[[Message, asyncio.Future], bool], timeout: float) -> dict:
     """Send a request whose answer comes as several messages, each given to `on_message` until it
-    sets the result; an error reply fails it, and so do `timeout` seconds without a message for it
-    (a long generation goes on as long as its bytes come). Pings meanwhile, so the node knows we
-    are here."""
+    sets the result (it says whether the message is one of the answer's types); an error reply
+    fails it, and so do `timeout` seconds without a message of the answer (a long generation goes
+    on as long as its bytes come). Pings meanwhile, so the node knows we are here."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future = loop.create_future()
     heard = loop.time()
@@ -325,11 +337,10 @@ async def _streamed(addr: str, cfg: NodeConfig, secret: bytes | None, message: M
         nonlocal heard
         if msg.re is None or msg.re != message.id or done.done():
             return
-        heard = loop.time()
         if isinstance(msg, Error):
             done.set_exception(PeerGone(f"{addr} answered {msg.code}: {msg.message}"))
-        else:
-            on_message(msg, done)
+        elif on_message(msg, done):
+            heard = loop.time()
 
     conn = await connect(addr, cfg, secret, route)
 

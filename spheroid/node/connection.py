@@ -29,6 +29,7 @@ from ..wire.streams import RAW_CHUNK_BYTES
 from .accounting import Traffic
 
 log = logging.getLogger(__name__)
+LARGE_WAITS = 30  # timeouts a state transfer's reply may take while the peer keeps sending (5 min by default)
 QUIET = QuietLog(log)  # (lines any peer can repeat by connecting again: at most a few a kind per period)
 
 Handler = Callable[["Connection", Message], Awaitable[None]]
@@ -273,12 +274,22 @@ class Connection(asyncio.BufferedProtocol):
         self._pending[message.id] = future
         large = message.t == "state_get"  # (its reply's stream may take the whole stream budget)
         self.session.streams.asked += large
+        limit = timeout or self.timeout
         try:
             await self.send(message)
-            async with asyncio.timeout(timeout or self.timeout):
-                reply = await future
+            # a large reply's stream may take longer than the timeout over a slow link: it is waited for
+            # while the peer's bytes keep coming, each within the timeout of the last (LARGE_WAITS at most)
+            for _ in range(LARGE_WAITS if large else 1):
+                heard = self._heard
+                await asyncio.wait({future}, timeout=limit)
+                if future.done() or self._heard == heard:
+                    break
+            if not future.done():
+                raise TimeoutError
+            reply = future.result()
         except TimeoutError:
-            raise PeerGone(f"{self.label} did not answer {message.t} within {timeout or self.timeout}s") from None
+            raise PeerGone(f"{self.label} did not answer {message.t} within {limit}s"
+                           f"{' of the last bytes it sent' if large else ''}") from None
         finally:
             self._pending.pop(message.id, None)
             self.session.streams.asked -= large

@@ -37,6 +37,7 @@ from ..wire import VERSION, ProtocolError, encode
 from ..wire.codec import Budget
 from ..wire.messages import (
     MAX_PEER_ENTRIES,
+    REPLIES,
     Bye,
     Error,
     Hello,
@@ -438,6 +439,9 @@ class Node:
             text = f"this node serves no blocks: send {msg.t} to a node started with --serve A-B --checkpoint DIR"
             await conn.send(Error(re=msg.id, code="no_route", message=text))
             return
+        if handler is None and msg.re is not None and msg.t in REPLIES.values():
+            log.debug("%s answering a request no longer waited for (timed out) from %s", msg.t, conn.label[:8])
+            return
         if handler is None:
             raise ProtocolError("unexpected", f"a node does not accept {msg.t} here")
         await handler(conn, msg)
@@ -473,6 +477,9 @@ class Node:
         raise PeerGone(f"{conn.label[:8]} said goodbye ({msg.reason})")
 
     async def _on_error(self, conn: Connection, msg: Message) -> None:
+        if msg.re is not None:  # (an answer to a request no longer waited for: it timed out)
+            log.debug("error %s from %s answering a request no longer waited for", msg.code, conn.label[:8])
+            return
         if msg.code == "busy":  # full: dial it again later, not at the next gossip (its leaving brings one at once)
             if (info := self.known.get(conn.label)) is not None:
                 self._back_off(info)

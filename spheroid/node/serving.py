@@ -52,23 +52,31 @@ from ..config import RunConfig
 from ..model import CleanStream, KVCache, Span, make_codebook, packed_causal, packed_kv
 from ..noise import sigma_grid
 from ..pipeline import Hop, NoRoute, build_route, check_route, serving_range
+from ..progress import QuietLog
 from ..train import block_from, load_reference
 from ..wire import ProtocolError, messages
 from .connection import Connection, PeerGone
 from .node import CLIENTS, Node
 
 log = logging.getLogger(__name__)
+QUIET = QuietLog(log)  # (failures a request can repeat)
 
 MAX_PROMPT = 1 << 16  # bytes of prompt a request may carry
 MAX_GENERATE = 1 << 16  # bytes one request may ask for
 MAX_TEXT = 1 << 20  # bytes of text one score request may carry
 MAX_OFFSET = 1 << 48  # where that text may start in a longer one (score.offset)
 MAX_SEED = (1 << 63) - 1  # seeds are torch generator seeds: signed 64-bit
+MAX_REQUESTS = 8  # a client connection's requests in flight at one coordinator (score_text sends 4 at once)
 
 
 def check_seed(msg: messages.Message) -> None:
     if msg.seed > MAX_SEED:
         raise ValueError(f"seed must be at most 2^63 - 1, got {msg.seed}")
+
+
+def check_temperature(msg: messages.Message) -> None:
+    if not math.isfinite(msg.temperature) or msg.temperature < 0:
+        raise ValueError(f"temperature must be finite and >= 0, got {msg.temperature}")
 
 
 class HopFailed(Exception):
@@ -162,10 +170,12 @@ class Prepared:
 
 
 def _catch(work: Callable, *args: object) -> object:
-    """work(*args), or the ValueError it raised: one hop's failure refuses that hop, not its batch."""
+    """work(*args), or the exception it raised: one hop's failure refuses that hop, not its batch."""
     try:
         return work(*args)
-    except ValueError as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever it was, the other hops of the batch go on
+        if not isinstance(exc, ValueError):
+            QUIET.log(logging.ERROR, "read-off", "a hop's read-off failed", exc_info=True)
         return exc
 
 
@@ -267,6 +277,7 @@ class PipelineServer(ABC):
         self.sessions = SessionCache(int(cache_mb * 2**20), session_ttl)
         # (session, traversal) -> the answer awaited, and the route whose nodes may give it
         self.waiting: dict[tuple[str, int], tuple[asyncio.Future, list[Hop]]] = {}
+        self.requests: collections.Counter[Connection] = collections.Counter()  # client requests running, by connection
         self.counters = {"hops": 0, "requests": 0, "traversals": 0, "failed_hops": 0, "reroutes": 0,
                          "relayed_rows": 0, "batches": 0}
         self.batcher = Batcher(self._compute_batch, node.spawn, self.counters)
@@ -303,10 +314,20 @@ class PipelineServer(ABC):
     # --- coordinating ---------------------------------------------------------------------------------
 
     async def on_generate(self, conn: Connection, msg: messages.Message) -> None:
-        self.node.spawn(self._answer(conn, msg, self._generate(conn, msg)))
+        await self._start(conn, msg, self._generate)
 
     async def on_score(self, conn: Connection, msg: messages.Message) -> None:
-        self.node.spawn(self._answer(conn, msg, self._score(conn, msg)))
+        await self._start(conn, msg, self._score)
+
+    async def _start(self, conn: Connection, msg: messages.Message, work: Callable) -> None:
+        """Run a client request in the background, unless its connection has MAX_REQUESTS running:
+        one client cannot fill the nodes' hop queues for everyone."""
+        if self.requests[conn] >= MAX_REQUESTS:
+            await conn.send(messages.Error(re=msg.id, code="busy", message=f"at most {MAX_REQUESTS} requests at "
+                                           "once per connection: wait for one to finish"))
+            return
+        self.requests[conn] += 1
+        self.node.spawn(self._answer(conn, msg, work(conn, msg)))
 
     async def _answer(self, conn: Connection, msg: messages.Message, work) -> None:
         """Run a client request; any failure becomes one clear error reply, and the node carries on."""
@@ -323,6 +344,10 @@ class PipelineServer(ABC):
                 code = "internal"
             with contextlib.suppress(PeerGone):
                 await conn.send(messages.Error(re=msg.id, code=code, message=str(exc)))
+        finally:
+            self.requests[conn] -= 1
+            if not self.requests[conn]:
+                del self.requests[conn]
 
     async def traverse(self, traversal: int, requested: list, exclude: set[str], fields: dict,
                        retry_fields: Callable[[], dict] | None = None) -> tuple[messages.Message, list[Hop]]:
@@ -455,6 +480,7 @@ class PipelineServer(ABC):
                 raise ValueError("the route names blocks this node does not serve")
             if msg.model != self.model_id:
                 raise ValueError("the request is for another model than the one this node serves")
+            check_temperature(msg)
             last = at == len(route) - 1
             result = await self.batcher.run((msg, z, None if last else route[at + 1].node), msg.session,
                                             len(msg.ctx) + msg.n_noisy)
@@ -509,10 +535,9 @@ class PipelineServer(ABC):
 
     def _check_generate(self, msg: messages.Message) -> None:
         check_seed(msg)
-        if (len(msg.prompt) > MAX_PROMPT or not 0 < msg.n_bytes <= MAX_GENERATE
-                or not math.isfinite(msg.temperature) or msg.temperature < 0):
-            raise ValueError(f"prompt up to {MAX_PROMPT} bytes, 1 to {MAX_GENERATE} bytes to generate and "
-                             f"a finite temperature >= 0")
+        check_temperature(msg)
+        if len(msg.prompt) > MAX_PROMPT or not 0 < msg.n_bytes <= MAX_GENERATE:
+            raise ValueError(f"prompt up to {MAX_PROMPT} bytes and 1 to {MAX_GENERATE} bytes to generate")
 
     def _incoming(self, z: torch.Tensor | None, n: int) -> torch.Tensor:
         """The tensor the previous hop sent: finite float32 (1, n, d_model), or ValueError."""
@@ -599,10 +624,15 @@ class BlockServer(PipelineServer):
         session, exclude, route = os.urandom(8).hex(), set(), None
         nll, count, windows = 0.0, 0, 0
         for i in range(0, len(text) - context, context):  # one traversal per window of context + 1 bytes
+            if conn.closed:  # (nothing comes back before the end: stop once the client is gone)
+                raise PeerGone("the client went away")
             window = text[i : i + context + 1]
             fields = {"session": session, "ctx": window[:-1], "start": 0, "n_noisy": len(window) - 1,
                       "chunk": msg.chunk, "temperature": 0.0, "seed": msg.seed, "targets": window[1:]}
             done, route = await self.traverse(offset + i, msg.route, exclude, fields)  # noise keyed by byte offset
+            if done.count != context or not math.isfinite(done.nll):
+                raise HopFailed("", f"the last hop scored {done.count} bytes of a window of {context} "
+                                    f"(NLL {done.nll})")
             nll, count, windows = nll + done.nll, count + done.count, windows + 1
         await conn.send(messages.ScoreReply(re=msg.id, nll=nll, count=count, windows=windows,
                                             route=[h.to_wire() for h in route]))
@@ -761,6 +791,8 @@ class ReferenceServer(PipelineServer):
         for traversal in range(msg.n_bytes):
             done, route = await self.traverse(traversal, msg.route, exclude, fields(),
                                               lambda: fields(restart=True))
+            if len(done.data) != 1:
+                raise HopFailed("", f"the last hop returned {len(done.data)} bytes, not 1")
             session["sent"] = len(out) - session["start"]
             out.extend(done.data)
             await conn.send(messages.GenBytes(re=msg.id, data=done.data))
@@ -776,7 +808,12 @@ class ReferenceServer(PipelineServer):
         (each session's positions attend to its own cache); the last node reads off the next byte."""
         results: list = [None] * len(hops)
         ready: list[tuple[int, list[KVCache], torch.Tensor]] = []
+        context = self.cfg.model.context
         for i, (msg, z, _) in enumerate(hops):
+            if not 1 <= msg.n_noisy <= context - msg.start or (msg.at == 0 and msg.n_noisy != len(msg.ctx)):
+                results[i] = ValueError(f"{msg.n_noisy} new positions from position {msg.start} do not fit the "
+                                        f"window of {context}, or are not the context's")
+                continue
             caches = self.sessions.get(msg.session, lambda: [KVCache() for _ in self.layers]).caches
             held = 0 if caches[0].k is None else caches[0].k.shape[2]
             if held != msg.start:

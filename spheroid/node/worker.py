@@ -71,6 +71,7 @@ COPIES = 64  # readers' copies a holder keeps (the last it made), to send the ch
 COPIES_BYTES = 256 << 20  # and at most this many bytes of them
 HISTORY = 50  # rounds kept in the status
 DONOR_WAIT_S = 3.0  # a reader waits this long for the holder that made its copy to announce a version
+FETCH_RETRY_S = 3.0  # a reader whose fetch of an earlier block failed (its holders busy) tries again after this
 JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer,
 JOIN_SETTLE_S = 0.5  # then listens this long for versions before it picks a donor
 
@@ -173,7 +174,8 @@ class Upstream:
     `refresh`, called when a version of an earlier block is announced and after each of this
     node's rounds, fetches in the background each earlier block whose preferred announced version
     is not the one held, if it was not fetched in the last three quarters of `every` steps (so
-    about once per `every` steps, whatever the jitter of the announcements); `apply` swaps the
+    about once per `every` steps, whatever the jitter of the announcements; a fetch that failed,
+    its holders busy, is tried again at the first call FETCH_RETRY_S later); `apply` swaps the
     fetched ones in between training steps (the training thread reads the copies), so a copy is
     as fresh as the transfer allows, not a round late. With a `codec` other than fp32 it asks for
     the change from the copy it holds, named by its parameters' hash (see the module's docstring),
@@ -195,6 +197,7 @@ class Upstream:
         self.donors: dict[int, str] = {}  # the holder each copy last came from
         self.pending: dict[int, SharedState | StateDelta] = {}  # (filled on the event loop, emptied by `apply`)
         self.refreshed_at: dict[int, int] = {}  # the step each block was last fetched at
+        self.failed: dict[int, float] = {}  # blocks whose last fetch failed -> when to try again (monotonic)
         # the version each block last waited for its donor to announce, and until when
         self.waited: dict[int, tuple[Version, float]] = {}
         self.step = 0  # this node's step, as of the last `refresh`
@@ -223,7 +226,10 @@ class Upstream:
         wanted = {}
         for b, peers in self.announced.items():
             last = self.refreshed_at.get(b)
-            if last is not None and 4 * (self.step - last) < 3 * self.every:
+            if b in self.failed:  # (a failed fetch is tried again within seconds, not after most of `every` steps)
+                if time.monotonic() < self.failed[b]:
+                    continue
+            elif last is not None and 4 * (self.step - last) < 3 * self.every:
                 continue
             live = {p: v for p, v in peers.items() if p in self.node.conns}
             best = None
@@ -273,7 +279,10 @@ class Upstream:
             got = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg, since,
                                    self.codec if since else None, prefer=self.donors.get(b))
             self.bytes += self._received(holders) - before  # (the transfer, and any version notes meanwhile)
-            if got is not None:
+            if got is None:
+                self.failed[b] = time.monotonic() + FETCH_RETRY_S
+            else:
+                self.failed.pop(b, None)
                 self.donors[b], self.pending[b] = got
                 self.fetches += 1
 
@@ -633,6 +642,7 @@ class BlockWorker:
         if self.serving[kind] >= MAX_SERVING[kind]:
             await conn.send(messages.Error(re=msg.id, code="busy", message="try another holder"))
         else:
+            self.serving[kind] += 1  # (counted now: requests in one read are handled before the task runs)
             self.node.spawn(self._serve_state(conn, msg, kind))
 
     def _serves(self, msg: messages.Message) -> str:
@@ -644,10 +654,9 @@ class BlockWorker:
     async def _serve_state(self, conn: Connection, msg: messages.Message, kind: str) -> None:
         """Stream this node's state; or, asked in a lossy codec for the change from parameters it
         knows, that change (parameters only: a reader has no use for the outer momentum), keeping
-        the copy it makes so that the next change starts from it."""
+        the copy it makes so that the next change starts from it. (`serving[kind]` counts it already.)"""
         state = self.replica.state  # a snapshot: rounds replace the state object, never mutate it
         members = self.replica.members()  # (the group of the round that starts from it)
-        self.serving[kind] += 1
         try:
             change = None
             if msg.codec in DELTA_CODECS:  # (off the event loop: a codec pass and a hash of the block)
@@ -655,10 +664,13 @@ class BlockWorker:
                 change = await asyncio.to_thread(self.readers.change, msg.since, known, state.params,
                                                  state.version.round, CODECS[msg.codec])
             if change is None:
-                if kind == "change":  # (the copy was forgotten meanwhile: a snapshot after all)
+                if kind == "change":  # (the copy was forgotten meanwhile: a snapshot after all, if one may go)
                     self.serving["change"] -= 1
                     kind = "snapshot"
                     self.serving[kind] += 1
+                    if self.serving[kind] > MAX_SERVING[kind]:
+                        await conn.send(messages.Error(re=msg.id, code="busy", message="try another holder"))
+                        return
                 stream = await conn.send_tensor(state.flat(), "raw")
             else:
                 stream = await conn.send_tensor(*change, "lz4")
