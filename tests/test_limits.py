@@ -22,6 +22,7 @@ from spheroid.node.node import Node, open_session
 from spheroid.progress import OneLineFormatter, QuietLog
 from spheroid.wire import encode, stream_frames
 from spheroid.wire.messages import Error, Message, Peers, PeersReply, StateGet, StateReply, Status, StatusReply
+from spheroid.wire.session import Session
 
 from .nodes import NodeProcess, RawPeer, free_port, hello, wait_until
 
@@ -507,29 +508,41 @@ def test_what_any_peer_can_repeat_is_logged_a_few_times_and_never_as_its_own_lin
         node.stop()
 
 
+async def opened(timeout: float) -> tuple[Connection, Session, socket.socket]:
+    """A Connection over a socket pair, through its handshake, with the raw session and socket of
+    the peer at its other end."""
+    ours, theirs = socket.socketpair()
+    me = {"addr": "127.0.0.1:1", "role": "worker", "blocks": [], "boot": b"12345678"}
+    loop = asyncio.get_running_loop()
+    _, conn = await loop.connect_accepted_socket(
+        lambda: Connection(Traffic(), open_session({**me, "node": "ab" * 16}, NodeConfig(), None, False, 1 << 24),
+                           timeout=timeout), ours)
+    peer = open_session({**me, "node": "cd" * 16}, NodeConfig(), None, True, 1 << 24)
+    theirs.setblocking(False)
+    await loop.sock_sendall(theirs, peer.data_to_send())
+    await conn.open()
+    peer.receive_data(await loop.sock_recv(theirs, 1 << 16))
+    return conn, peer, theirs
+
+
+async def trickle(sock: socket.socket, data: bytes) -> None:
+    """Send data in 25 pieces 0.1 s apart (2.5 s in all)."""
+    for at in range(0, len(data), len(data) // 25 + 1):
+        await asyncio.get_running_loop().sock_sendall(sock, data[at : at + len(data) // 25 + 1])
+        await asyncio.sleep(0.1)
+
+
 def test_a_large_frame_arriving_slowly_is_not_silence_but_no_bytes_are():
     """A connection times out a peer that sends nothing for its timeout, not one whose large frame
     takes longer than that to arrive (it is read into place as it comes)."""
 
     async def scenario() -> tuple[float, str, float]:
-        ours, theirs = socket.socketpair()
-        me = {"addr": "127.0.0.1:1", "role": "worker", "blocks": [], "boot": b"12345678"}
-        loop = asyncio.get_running_loop()
-        _, conn = await loop.connect_accepted_socket(
-            lambda: Connection(Traffic(), open_session({**me, "node": "ab" * 16}, NodeConfig(), None, False, 1 << 24),
-                               timeout=1.0), ours)
-        peer = open_session({**me, "node": "cd" * 16}, NodeConfig(), None, True, 1 << 24)
-        theirs.setblocking(False)
-        await loop.sock_sendall(theirs, peer.data_to_send())
-        await conn.open()
-        peer.receive_data(await loop.sock_recv(theirs, 1 << 16))
+        conn, peer, theirs = await opened(timeout=1.0)
         ids = itertools.count(100)
         frames = b"".join(out.frame for out in stream_frames(torch.randn(1 << 18), 7, lambda: next(ids)))
         frames += peer.send(Peers())  # (a message after the stream: what recv returns)
         start = time.monotonic()
-        for at in range(0, len(frames), len(frames) // 25 + 1):  # 1 MiB over 2.5 s, 0.1 s apart
-            await loop.sock_sendall(theirs, frames[at : at + len(frames) // 25 + 1])
-            await asyncio.sleep(0.1)
+        await trickle(theirs, frames)
         got = await conn.recv()
         slow = time.monotonic() - start
         start = time.monotonic()
@@ -554,17 +567,8 @@ def test_a_state_transfer_is_waited_for_while_its_stream_comes_and_a_late_reply_
     dropped, and the connection (which carries averaging too) stays open."""
 
     async def transfer() -> tuple[float, str, str]:
-        ours, theirs = socket.socketpair()
-        me = {"addr": "127.0.0.1:1", "role": "worker", "blocks": [], "boot": b"12345678"}
+        conn, peer, theirs = await opened(timeout=1.0)
         loop = asyncio.get_running_loop()
-        _, conn = await loop.connect_accepted_socket(
-            lambda: Connection(Traffic(), open_session({**me, "node": "ab" * 16}, NodeConfig(), None, False, 1 << 24),
-                               timeout=1.0), ours)
-        peer = open_session({**me, "node": "cd" * 16}, NodeConfig(), None, True, 1 << 24)
-        theirs.setblocking(False)
-        await loop.sock_sendall(theirs, peer.data_to_send())
-        await conn.open()
-        peer.receive_data(await loop.sock_recv(theirs, 1 << 16))
 
         async def nothing(_conn, _msg) -> None:
             pass
@@ -583,9 +587,7 @@ def test_a_state_transfer_is_waited_for_while_its_stream_comes_and_a_late_reply_
         ids = itertools.count(100)
         frames = b"".join(out.frame for out in stream_frames(torch.randn(1 << 18), 7, lambda: next(ids)))
         frames += peer.send(StateReply(re=get.id, block=0, round=1, samples=1, hash="ab", stream=7, config={}))
-        for at in range(0, len(frames), len(frames) // 25 + 1):  # 1 MiB over 2.5 s, 0.1 s apart
-            await loop.sock_sendall(theirs, frames[at : at + len(frames) // 25 + 1])
-            await asyncio.sleep(0.1)
+        await trickle(theirs, frames)
         reply = await request
         slow = time.monotonic() - start
         # a stream that stops: the request gives up a timeout after its last frame
