@@ -498,3 +498,23 @@ def test_a_reference_hop_beyond_the_window_is_refused(servers):
                 assert got["t"] == "hop_done" and len(got["data"]) == 1
     finally:
         peer.close()
+
+
+def test_a_session_gone_from_a_nodes_cache_starts_over_on_a_new_session(servers, model_dir):
+    """A middle node whose cache holds one session, and two generations at once: each evicts the
+    other's there, while the node before it still counts on it. A hop that finds its session gone
+    makes the coordinator retry the traversal on a new session, not route around the node (here the
+    only one serving its blocks): both give the bytes of local generation."""
+    head = servers("head", "0-1")
+    mid, tail = servers("mid", "2", head, "--cache-mb", "0.0001"), servers("tail", "3", head)
+    wait_until(lambda: all(len(n.status()["peers"]) == 2 for n in (head, mid, tail)), 60, "full membership")
+    cfg, blocks, codebook = load_chain(model_dir, torch.device("cpu"))
+
+    async def both() -> list[dict]:
+        return await asyncio.gather(*(remote_generate(head.addr, CLIENT, {
+            "prompt": b"The ", "n_bytes": 24, "mode": "ar", "k": 1, "temperature": 0.8, "seed": seed, "route": []})
+            for seed in (1, 2)))
+
+    for seed, got in zip((1, 2), asyncio.run(both()), strict=True):
+        assert got["data"] == generate(blocks, cfg.noise, codebook, b"The ", 24, 1, 0.8, seed)
+    assert mid.status()["serving"]["failed_hops"] > 0  # (its sessions were evicted)

@@ -117,7 +117,7 @@ def test_slow_peer_misses_the_deadline_and_the_others_keep_time(swarm):
     assert training(slow)["step"] < 10000
 
 
-def test_sigkill_mid_round_then_restart_catches_up_to_the_same_hash(swarm):
+def test_sigkill_mid_round_then_restart_catches_up_to_the_same_hash(swarm, tmp_path):
     flags = ["--every", "10", "--wait", "2", "--steps", "400", "--batch", "16"]
     a = swarm("a", 0, *flags)
     b = swarm("b", 0, *flags, seed=a)
@@ -129,12 +129,19 @@ def test_sigkill_mid_round_then_restart_catches_up_to_the_same_hash(swarm):
     for node in (a, b):
         after = [h for h in training(node)["history"] if h["round"] >= killed_at]
         assert after and all(h["waited_s"] <= 2 + MARGIN for h in after)
+    # its checkpoint records a hash its state does not have (a round whose owner sent wrong leaf
+    # digests agrees on one): the file is intact, so it resumes under its state's own hash
+    record_file = tmp_path / "c-ckpt" / "worker-0.json"
+    record = json.loads(record_file.read_text())
+    record["state"]["version"]["hash"] = "ab" * 32
+    record_file.write_text(json.dumps(record))
     c.start()  # same identity, same --out: it resumes from its last round's checkpoint
     wait_until(lambda: training(c)["counters"]["adopted"] >= 1, 60, "the restarted node to catch up")
     states = wait_until(lambda: all_done_and_equal([a, b, c]), 180, "all three to end on one state")
     assert len({s["version"]["hash"] for s in states}) == 1
     resumed = re.search(r"resumed from .* step (\d+), loss (\S+),", c.log.read_text())
     assert resumed and int(resumed[1]) > 0 and math.isfinite(float(resumed[2]))  # its last loss came back too
+    assert f"records state {'ab' * 6} but holds state" in c.log.read_text()
 
 
 def test_joiners_with_no_state_get_the_donors_exact_hash(swarm):

@@ -80,9 +80,17 @@ def check_temperature(msg: messages.Message) -> None:
 
 
 class HopFailed(Exception):
-    def __init__(self, node: str, message: str) -> None:
+    """A traversal failed at `node`; `stale`: only because that node no longer held the session (it
+    was evicted from its cache), so the node itself is fine."""
+
+    def __init__(self, node: str, message: str, stale: bool = False) -> None:
         super().__init__(message)
-        self.node = node
+        self.node, self.stale = node, stale
+
+
+class StaleSession(ValueError):
+    """A hop assumes session state this node no longer holds (evicted, or expired): the traversal
+    must start over on a new session."""
 
 
 @dataclass
@@ -353,8 +361,9 @@ class PipelineServer(ABC):
                        retry_fields: Callable[[], dict] | None = None) -> tuple[messages.Message, list[Hop]]:
         """One traversal of the route; re-routed around failed nodes, at most `retries` times.
 
-        `fields` (with the session) make the hop; `retry_fields` makes the hop of a retry when the
-        nodes' session state cannot be trusted after a failure (the reference pipeline's KV caches).
+        `fields` (with the session) make the hop; `retry_fields` makes the hop of a retry, on a new
+        session: the nodes' session state cannot be trusted after a failure. A node that failed
+        only because it no longer held the session (`stale`) is not routed around.
         """
         me = [self.node.id, self.node.cfg.address, 0, 0]
         error = "no attempt"
@@ -379,7 +388,8 @@ class PipelineServer(ABC):
                 return done, route
             except HopFailed as exc:
                 error = str(exc)
-                exclude.add(exc.node)
+                if not exc.stale:
+                    exclude.add(exc.node)
             except (TimeoutError, PeerGone) as exc:
                 error = f"no answer from the route within {self.hop_timeout}s" if isinstance(exc, TimeoutError) \
                     else str(exc)
@@ -423,7 +433,7 @@ class PipelineServer(ABC):
 
     async def on_hop_error(self, conn: Connection | None, msg: messages.Message) -> None:
         if (future := self._awaited(conn, msg, last=False)) is not None:
-            future.set_exception(HopFailed(msg.node, f"hop {msg.node[:8]}: {msg.message}"))
+            future.set_exception(HopFailed(msg.node, f"hop {msg.node[:8]}: {msg.message}", bool(msg.stale)))
 
     # --- hops ---------------------------------------------------------------------------------------
 
@@ -499,7 +509,8 @@ class PipelineServer(ABC):
             self.counters["failed_hops"] += 1
             self.node.quiet.log(logging.WARNING, "failed hop", "hop of session %s failed: %s", msg.session[:8], exc)
             await self._reply(coordinator, messages.HopError(session=msg.session, traversal=msg.traversal, node=failed,
-                                                             message=str(exc)))
+                                                             message=str(exc),
+                                                             stale=isinstance(exc, StaleSession) or None))
 
     @abstractmethod
     def _compute_batch(self, hops: list[tuple[messages.Message, torch.Tensor | None, str | None]]) -> list:
@@ -601,7 +612,13 @@ class BlockServer(PipelineServer):
             t = next_traversal(out, msg.n_bytes - produced, chunk, draft, context)
             fields = {"session": session, "ctx": t.ctx, "start": t.start, "n_noisy": t.n_noisy, "chunk": t.chunk,
                       "temperature": float(msg.temperature), "seed": msg.seed, "draft": len(t.draft) or None}
-            done, route = await self.traverse(produced, msg.route, exclude, fields)  # a byte's index keys its noise
+
+            def retry(fields: dict = fields) -> dict:
+                nonlocal session  # (the traversals after it go on in the new session)
+                session = os.urandom(8).hex()
+                return {**fields, "session": session}
+
+            done, route = await self.traverse(produced, msg.route, exclude, fields, retry)  # (noise: keyed by byte)
             if not 1 <= len(done.data) <= max(t.n_noisy, len(t.draft) + 1):
                 raise HopFailed("", f"the last hop returned {len(done.data)} bytes for {t.n_noisy} positions")
             out.extend(done.data)
@@ -719,8 +736,8 @@ class BlockServer(PipelineServer):
             raise ValueError(f"block {self.first} reads block {self.first - 1}'s clean stream (channel 'relay'): the "
                              f"hop must relay it (relay_from)")
         if relay_from != held.seen:
-            raise ValueError(f"the hop relays the clean stream from position {relay_from}, and this node holds "
-                             f"{held.seen} positions of the session")
+            raise StaleSession(f"the hop relays the clean stream from position {relay_from}, and this node holds "
+                               f"{held.seen} positions of the session")
         if relay_from + rows.shape[1] != n_clean:
             raise ValueError("the relayed clean stream must reach the end of the context")
         held.out = rows.clone() if held.out is None else torch.cat([held.out, rows], dim=1)
@@ -818,7 +835,7 @@ class ReferenceServer(PipelineServer):
             held = 0 if caches[0].k is None else caches[0].k.shape[2]
             if held != msg.start:
                 self.sessions.drop(msg.session)  # out of step: the coordinator retries on a new session
-                results[i] = ValueError(f"session {msg.session[:8]} holds {held} positions, not {msg.start}")
+                results[i] = StaleSession(f"session {msg.session[:8]} holds {held} positions, not {msg.start}")
                 continue
             try:
                 ready.append((i, caches, self.model.embed(self._context(msg), msg.start) if msg.at == 0

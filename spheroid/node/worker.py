@@ -332,6 +332,8 @@ class BlockWorker:
         torch.manual_seed(cfg.train.seed * 7919 + node_seed)
         self.step, self.loss, self.ce = 0, float("nan"), float("nan")
         self.round_end: int | None = None  # the step this node's round's local steps end at, while it trains them
+        self.averaging = False  # while it averages its round
+        self.stopping = False  # (set when the node stops: the training thread ends after its current step)
         # with a state adopted from a holder mid-round: the share of that round's steps it had left
         self.left: float | None = None
         self.n_params = sum(p.numel() for p in self.module.parameters())
@@ -394,25 +396,26 @@ class BlockWorker:
                   "reads": self.upstream.status()["reads"]}
         checkpoint.save_tensors(self.out, self.name, tensors, self.cfg, record)  # (and the legacy file goes)
 
-    def _saved(self) -> tuple[RunConfig, dict, dict[str, torch.Tensor]]:
-        """The saved configuration, record and tensors: from the JSON record (everything verified), or
-        from a checkpoint of one file with its record in the metadata, as nodes wrote it before."""
+    def _saved(self) -> tuple[RunConfig, dict, dict[str, torch.Tensor], bool]:
+        """The saved configuration, record and tensors, and whether the file was verified: from the
+        JSON record (everything verified by sha256), or from a checkpoint of one file with its record
+        in the metadata, as nodes wrote it before."""
         if (self.out / f"{self.name}.json").exists():
             entry = checkpoint.load(self.out, self.name)
-            return entry.config, entry.state, entry.tensors
+            return entry.config, entry.state, entry.tensors, True
         try:
             with safe_open(str(self.legacy), framework="pt") as f:
                 meta = f.metadata() or {}
                 tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iterator)
             record = {"version": json.loads(meta["version"]), "step": int(meta["step"]),
                       "block": int(meta["block"]), "loss": float(meta.get("loss", "nan"))}
-            return RunConfig.from_json(meta["config"]), record, tensors
+            return RunConfig.from_json(meta["config"]), record, tensors, False
         except (SafetensorError, OSError, KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(f"{self.legacy} is not a readable worker checkpoint ({exc}); move it away to "
                                   f"start this block from the swarm") from exc
 
     def _resume(self) -> SharedState:
-        saved, record, tensors = self._saved()
+        saved, record, tensors, verified = self._saved()
         try:
             version = Version(**record["version"])
             step, block = int(record["step"]), int(record["block"])
@@ -424,9 +427,15 @@ class BlockWorker:
             raise CheckpointError(f"{self.out}/{self.name} holds block {block} of another model or noise schedule; "
                                   f"give this node another --out")
         try:
-            version = from_protocol_8(version, tensors["params"], tensors.get("momentum"))
-            state = SharedState.unpack(version, SharedState.pack(tensors["params"], tensors.get("momentum")),
-                                       self.n_params)
+            params, momentum = tensors["params"], tensors.get("momentum")
+            version = from_protocol_8(version, params, momentum)
+            if verified and (actual := state_hash(params, momentum)) != version.hash:
+                # (the file checked out, so not damage: the round agreed on a hash that is not its state's,
+                # as when an owner's leaf digests were wrong; the version rule settles which state is kept)
+                log.warning("block %d's checkpoint records state %s but holds state %s; resuming under the "
+                            "latter", self.block, version.hash[:12], actual[:12])
+                version = replace(version, hash=actual)
+            state = SharedState.unpack(version, SharedState.pack(params, momentum), self.n_params)
         except (KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(f"{self.out}/{self.name}: {exc}; the file is damaged") from exc
         self.set_params(state.params)
@@ -459,8 +468,12 @@ class BlockWorker:
             self._adopt_pending()
             started = self.step
             await self._train_round()
-            closed = await self.averager.round(self.params() - self.replica.state.params,
-                                               (self.step - started) * t.batch, self._preferred_pending)
+            self.averaging = True
+            try:
+                closed = await self.averager.round(self.params() - self.replica.state.params,
+                                                   (self.step - started) * t.batch, self._preferred_pending)
+            finally:
+                self.averaging = False
             if closed is None:
                 self._adopt_pending()  # this round was on the old state; the progress is rebased
             else:
@@ -492,7 +505,11 @@ class BlockWorker:
         while n > 0:
             n = min(n, self.cfg.train.steps - self.step)
             self.round_end = self.step + n
-            await asyncio.to_thread(self._train_steps, n)
+            try:
+                await asyncio.to_thread(self._train_steps, n)
+            except asyncio.CancelledError:
+                self.stopping = True  # (the thread goes on until it looks: after its current step, not n)
+                raise
             self.round_end = None
             adopted = self._adopt_pending()
             # (stopped before its first step: a round has one at least, and an update samples)
@@ -507,17 +524,18 @@ class BlockWorker:
         return self.avg.every if left is None else max(1, math.ceil(self.avg.every * left))
 
     def left_in_round(self) -> float | None:
-        """The share of its round's local steps this node has still to train; None if it is not
-        training (averaging, or done)."""
+        """The share of its round's local steps this node has still to train: 0 while it averages the
+        round (a joiner then trains one step and sends its update in that round); None if it is not
+        training (done, or not started)."""
         if self.round_end is None:
-            return None
+            return 0.0 if self.averaging else None
         return min(1.0, max(0.0, (self.round_end - self.step) / self.avg.every))
 
     def _train_steps(self, n: int) -> None:
         """Up to n steps (in a thread); fewer if a preferred state is fetched meanwhile."""
         t = self.cfg.train
         for _ in range(n):
-            if self._preferred_pending():
+            if self.stopping or self._preferred_pending():
                 return
             if self.upstream.pending:  # (a fresher copy of an earlier block, fetched meanwhile)
                 self.upstream.apply()
