@@ -71,7 +71,7 @@ COPIES = 64  # readers' copies a holder keeps (the last it made), to send the ch
 COPIES_BYTES = 256 << 20  # and at most this many bytes of them
 HISTORY = 50  # rounds kept in the status
 DONOR_WAIT_S = 3.0  # a reader waits this long for the holder that made its copy to announce a version
-FETCH_RETRY_S = 3.0  # a reader whose fetch of an earlier block failed (its holders busy) tries again after this
+FETCH_RETRY_S = 1.0  # a reader whose fetch of an earlier block failed (its holders busy) tries again after this
 JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer,
 JOIN_SETTLE_S = 0.5  # then listens this long for versions before it picks a donor
 
@@ -175,7 +175,7 @@ class Upstream:
     node's rounds, fetches in the background each earlier block whose preferred announced version
     is not the one held, if it was not fetched in the last three quarters of `every` steps (so
     about once per `every` steps, whatever the jitter of the announcements; a fetch that failed,
-    its holders busy, is tried again at the first call FETCH_RETRY_S later); `apply` swaps the
+    its holders busy, is tried again FETCH_RETRY_S later); `apply` swaps the
     fetched ones in between training steps (the training thread reads the copies), so a copy is
     as fresh as the transfer allows, not a round late. With a `codec` other than fp32 it asks for
     the change from the copy it holds, named by its parameters' hash (see the module's docstring),
@@ -279,8 +279,9 @@ class Upstream:
             got = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg, since,
                                    self.codec if since else None, prefer=self.donors.get(b))
             self.bytes += self._received(holders) - before  # (the transfer, and any version notes meanwhile)
-            if got is None:
+            if got is None:  # (its holders busy or gone: looked at again then, announcement or not)
                 self.failed[b] = time.monotonic() + FETCH_RETRY_S
+                self.node.spawn(self._refresh_after(FETCH_RETRY_S))
             else:
                 self.failed.pop(b, None)
                 self.donors[b], self.pending[b] = got
@@ -332,7 +333,6 @@ class BlockWorker:
         torch.manual_seed(cfg.train.seed * 7919 + node_seed)
         self.step, self.loss, self.ce = 0, float("nan"), float("nan")
         self.round_end: int | None = None  # the step this node's round's local steps end at, while it trains them
-        self.averaging = False  # while it averages its round
         self.stopping = False  # (set when the node stops: the training thread ends after its current step)
         # with a state adopted from a holder mid-round: the share of that round's steps it had left
         self.left: float | None = None
@@ -468,12 +468,8 @@ class BlockWorker:
             self._adopt_pending()
             started = self.step
             await self._train_round()
-            self.averaging = True
-            try:
-                closed = await self.averager.round(self.params() - self.replica.state.params,
-                                                   (self.step - started) * t.batch, self._preferred_pending)
-            finally:
-                self.averaging = False
+            closed = await self.averager.round(self.params() - self.replica.state.params,
+                                               (self.step - started) * t.batch, self._preferred_pending)
             if closed is None:
                 self._adopt_pending()  # this round was on the old state; the progress is rebased
             else:
@@ -524,11 +520,10 @@ class BlockWorker:
         return self.avg.every if left is None else max(1, math.ceil(self.avg.every * left))
 
     def left_in_round(self) -> float | None:
-        """The share of its round's local steps this node has still to train: 0 while it averages the
-        round (a joiner then trains one step and sends its update in that round); None if it is not
-        training (done, or not started)."""
+        """The share of its round's local steps this node has still to train; None if it is not
+        training (averaging, or done)."""
         if self.round_end is None:
-            return 0.0 if self.averaging else None
+            return None
         return min(1.0, max(0.0, (self.round_end - self.step) / self.avg.every))
 
     def _train_steps(self, n: int) -> None:
