@@ -13,6 +13,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -250,3 +251,32 @@ def test_what_a_holder_says_of_its_next_round_is_checked():
     for bad in ({"left": 1.5}, {"left": -0.1}, {"left": math.nan}, {"members": ["not an id"]}):
         with pytest.raises(ValueError):
             with_holder_notes(state, StateReply(**reply, **bad))
+
+
+def test_a_holder_averaging_its_round_serves_a_joiner_the_next_rounds_state(swarm):
+    """A joiner that asks while its holder averages a round (steps trained, waiting for a peer's
+    parts) is served once that round has closed and the next one trains: the state it would train
+    on then, with the whole round left (`left` 1). Served at once, it would get the state of a
+    round about to close, with nothing said of its steps left, and its first update would come a
+    round late. The peer holding the round open here is the test itself: in step with the holder,
+    it sends no parts."""
+    node = swarm("holder", 0, "--every", "10", "--wait", "4", "--steps", "100000")
+    wait_until(lambda: training(node)["round"] >= 1, 60, "the holder's first round")
+    peer = RawPeer(node.addr, timeout=30)
+    try:
+        peer.send(hello(role="worker", blocks=[0]))
+        while True:  # (echo the holder's version as one in step with it: it lays out its next round with this peer)
+            message, _ = peer.receive()
+            if message["t"] == "version":
+                peer.send({**message, "id": 2, "synced": True})
+            elif message["t"] == "update":  # its part of that round: it now waits for this peer's part
+                break
+        averaging = message["round"]
+        asked = time.monotonic()
+        peer.send({"t": "state_get", "id": 10, "block": 0})
+        while (message := peer.receive()[0])["t"] != "state_reply":
+            pass
+    finally:
+        peer.close()
+    assert message["round"] == averaging + 1 and message["left"] > 0.5
+    assert time.monotonic() - asked > 1.0  # (the round's deadline: at least its first stage, 2 s)

@@ -333,6 +333,9 @@ class BlockWorker:
         torch.manual_seed(cfg.train.seed * 7919 + node_seed)
         self.step, self.loss, self.ce = 0, float("nan"), float("nan")
         self.round_end: int | None = None  # the step this node's round's local steps end at, while it trains them
+        # set while it trains a round's local steps (round_end is set), and once it is done training:
+        # not averaging a round, so a joiner served now has a round to join (`_not_averaging`)
+        self.joinable = asyncio.Event()
         self.stopping = False  # (set when the node stops: the training thread ends after its current step)
         # with a state adopted from a holder mid-round: the share of that round's steps it had left
         self.left: float | None = None
@@ -475,6 +478,7 @@ class BlockWorker:
             else:
                 await self._closed(closed, self.step - started)
         self.done = True
+        self.joinable.set()
         # no more rounds from this node: peers that hear it before their next round leave it out of the
         # one after (the next waits for it until its deadline: its group is counted already)
         self.replica.synced = False
@@ -501,12 +505,15 @@ class BlockWorker:
         while n > 0:
             n = min(n, self.cfg.train.steps - self.step)
             self.round_end = self.step + n
+            self.joinable.set()
             try:
                 await asyncio.to_thread(self._train_steps, n)
             except asyncio.CancelledError:
                 self.stopping = True  # (the thread goes on until it looks: after its current step, not n)
                 raise
-            self.round_end = None
+            finally:
+                self.round_end = None
+                self.joinable.clear()
             adopted = self._adopt_pending()
             # (stopped before its first step: a round has one at least, and an update samples)
             n = self._round_steps() if (adopted and self.left is not None) or self.step == started else 0
@@ -668,6 +675,8 @@ class BlockWorker:
         """Stream this node's state; or, asked in a lossy codec for the change from parameters it
         knows, that change (parameters only: a reader has no use for the outer momentum), keeping
         the copy it makes so that the next change starts from it. (`serving[kind]` counts it already.)"""
+        if self.block in conn.hello.blocks:  # (a joiner: it trains the share of the round this node has left)
+            await self._not_averaging()
         state = self.replica.state  # a snapshot: rounds replace the state object, never mutate it
         members = self.replica.members()  # (the group of the round that starts from it)
         try:
@@ -699,6 +708,19 @@ class BlockWorker:
                                 exc)
         finally:
             self.serving[kind] -= 1
+
+    async def _not_averaging(self) -> None:
+        """If this node is averaging a round (its steps trained), wait until it trains the next one
+        (or is done). A joiner served now would get the state of a round about to close, with no steps
+        of it left to train: trained whole on it, its first update would come after that round had
+        closed, and it would end that round on a state of its own and have to fetch again. Bounded
+        by the round's deadline, and by the requester's patience (its timeout, taken to be this
+        node's own): past that, it gets the state as it is."""
+        if self.fresh or self.joinable.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(self.avg.wait + 1.0, 0.8 * self.node.cfg.timeout)):
+                await self.joinable.wait()
 
     # --- status -------------------------------------------------------------------------------------
 
