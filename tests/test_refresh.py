@@ -3,15 +3,23 @@ copy's error stays that of one change instead of building up (spheroid/node/work
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from spheroid.averaging import state_hash
-from spheroid.node.worker import ReadersCopies
+from spheroid.averaging import SharedState, state_hash
+from spheroid.config import NodeConfig
+from spheroid.node.identity import load_or_create
+from spheroid.node.node import Node
+from spheroid.node.worker import FETCH_RETRY_S, ReadersCopies, Upstream
+from spheroid.train import EarlierBlocks, genesis_block
 from spheroid.wire import through_codec
+from spheroid.wire.messages import StateReply
+
+from .nodes import free_port
 
 
 def trajectory(steps: int, n: int = 20_000) -> list[torch.Tensor]:
@@ -101,3 +109,54 @@ def test_readers_refreshing_at_once_each_get_changes_from_their_own_copy():
         done = list(pool.map(reader, ["int8", "int4"] * 4))
     assert all(changes + snapshots == len(states) - 1 for changes, snapshots in done)
     assert sum(changes for changes, _ in done) > 0 and len(holder.copies) <= 4
+
+
+def test_a_reader_keeps_its_copy_when_a_holder_is_behind_it(tmp_path, tiny):
+    """A reader of block 0 does not fetch a version behind the copy it holds, and refuses a state a
+    holder sends that is behind it (the holder announced a later one): a copy never goes back. A
+    later state is taken."""
+
+    async def scenario() -> list:
+        nodes = []
+        for name, blocks in (("holder", (0,)), ("reader", (1,))):
+            peers = (nodes[0].cfg.listen,) if nodes else ()
+            cfg = NodeConfig(listen=f"127.0.0.1:{free_port()}", identity=str(tmp_path / f"{name}.json"), peers=peers,
+                             role="worker", blocks=blocks)
+            nodes.append(Node(cfg, load_or_create(cfg.identity)))
+            await nodes[-1].start()
+        holder, reader = nodes
+        n = sum(p.numel() for p in genesis_block(tiny, 0).parameters())
+        states = {r: SharedState.create(r, 100 * r, torch.randn(n), None) for r in (3, 5, 6)}
+        sent, asked = [], []
+
+        async def serve(conn, msg) -> None:  # (whatever was announced: the state of round `sent[-1]`)
+            asked.append(msg.block)
+            state = states[sent[-1]]
+            stream = await conn.send_tensor(state.flat(), "raw")
+            await conn.send(StateReply(re=msg.id, block=0, **state.version.to_wire(), stream=stream,
+                                       config=tiny.to_dict()))
+
+        holder.handlers["state_get"] = serve
+        upstream = Upstream(reader, 1, EarlierBlocks(None, 1, tiny, torch.device("cpu")), every=10)
+        upstream.held[0] = states[5].version
+        got = []
+        try:
+            while holder.id not in reader.conns:
+                await asyncio.sleep(0.05)
+            for i, (announced, served) in enumerate(((3, 3), (6, 3), (6, 6))):
+                sent.append(served)
+                await asyncio.sleep(FETCH_RETRY_S * (0 in upstream.failed))  # (a refused state: tried again later)
+                upstream.note(holder.id, 0, states[announced].version)
+                task = upstream.refresh(step=100 * i)
+                if task is not None:
+                    await task
+                fetched = upstream.pending.pop(0, None)
+                got.append(None if fetched is None else fetched.version.round)
+            return got, asked
+        finally:
+            for node in nodes:
+                await node.stop()
+
+    got, asked = asyncio.run(scenario())
+    assert got == [None, None, 6]  # behind: not asked; announced later, sent behind: refused; later: taken
+    assert asked == [0, 0]

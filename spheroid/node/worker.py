@@ -173,13 +173,14 @@ class Upstream:
     Holders of blocks 0..b-1 announce their versions to block b's nodes as to their own replicas.
     `refresh`, called when a version of an earlier block is announced and after each of this
     node's rounds, fetches in the background each earlier block whose preferred announced version
-    is not the one held, if it was not fetched in the last three quarters of `every` steps (so
-    about once per `every` steps, whatever the jitter of the announcements; a fetch that failed,
-    its holders busy, is tried again FETCH_RETRY_S later); `apply` swaps the
-    fetched ones in between training steps (the training thread reads the copies), so a copy is
-    as fresh as the transfer allows, not a round late. With a `codec` other than fp32 it asks for
-    the change from the copy it holds, named by its parameters' hash (see the module's docstring),
-    and waits up to DONOR_WAIT_S for the holder that made that copy if the version came from another
+    is preferred over the one held (a copy never goes back: a state sent behind it is refused), if
+    it was not fetched in the last three quarters of `every` steps (so about once per `every`
+    steps, whatever the jitter of the announcements; a fetch that failed, its holders busy, is
+    tried again FETCH_RETRY_S later); `apply` swaps the fetched ones in between training steps (the
+    training thread reads the copies), so a copy is as fresh as the transfer allows, not a round
+    late. With a `codec` other than fp32 it asks for the change from the copy it holds, named by
+    its parameters' hash (see the module's docstring), and waits up to DONOR_WAIT_S for the holder
+    that made that copy if the version came from another
     first: any other would send a snapshot.
     """
 
@@ -236,8 +237,9 @@ class Upstream:
             for version in live.values():
                 if best is None or version.preferred_over(best):
                     best = version
-            fetched = self.pending.get(b)
-            if (best is None or not best.samples or best == self.held.get(b)  # (0 samples: genesis)
+            fetched, held = self.pending.get(b), self.held.get(b)
+            if (best is None or not best.samples  # (0 samples: genesis)
+                    or (held is not None and not best.preferred_over(held))  # (the copy held, or one behind it)
                     or (fetched is not None and fetched.version == best)):
                 continue
             holders = [p for p, v in live.items() if v == best]
@@ -279,7 +281,13 @@ class Upstream:
             got = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg, since,
                                    self.codec if since else None, prefer=self.donors.get(b))
             self.bytes += self._received(holders) - before  # (the transfer, and any version notes meanwhile)
-            if got is None:  # (its holders busy or gone: looked at again then, announcement or not)
+            held = self.held.get(b)
+            if got is not None and held is not None and not got[1].version.preferred_over(held):
+                log.warning("block %d's state from %s refused: round %d, not later than the copy held (round %d); "
+                            "its announcement is forgotten", b, got[0][:8], got[1].version.round, held.round)
+                self.announced[b].pop(got[0], None)  # (not asked again until it announces again)
+                got = None
+            if got is None:  # (its holders busy, gone or behind: looked at again then, announcement or not)
                 self.failed[b] = time.monotonic() + FETCH_RETRY_S
                 self.node.spawn(self._refresh_after(FETCH_RETRY_S))
             else:
