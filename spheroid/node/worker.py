@@ -180,8 +180,7 @@ class Upstream:
     training thread reads the copies), so a copy is as fresh as the transfer allows, not a round
     late. With a `codec` other than fp32 it asks for the change from the copy it holds, named by
     its parameters' hash (see the module's docstring), and waits up to DONOR_WAIT_S for the holder
-    that made that copy if the version came from another
-    first: any other would send a snapshot.
+    that made that copy if the version came from another first: any other would send a snapshot.
     """
 
     def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int, codec: str = "fp32") -> None:
