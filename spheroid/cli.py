@@ -827,6 +827,9 @@ def read_secret(path: str | None) -> bytes | None:
               help="Memory for sessions' cached keys and values (clean context; the reference's layers).")
 @click.option("--session-ttl", type=click.FloatRange(min=0), default=300.0, show_default=True,
               help="Seconds an idle session's cache is kept.")
+@click.option("--max-queued-hops", "max_queued", type=POSITIVE, default=128, show_default=True,
+              help="Hops that may wait at this node (each holds its tensor); one more is refused as busy, and "
+                   "its coordinator routes around this node or asks again after a moment.")
 @click.option("--threads", type=POSITIVE, default=1, show_default=True, help="torch threads for training and serving.")
 @click.option("--status-interval", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
               help="Seconds between status lines.")
@@ -835,8 +838,8 @@ def read_secret(path: str | None) -> bytes | None:
 @command
 def node(listen, peers, announce, swarm, secret_file, identity, role, block, out, config_file, every, codec, lz4,
          feedback, wait, outer, outer_lr, outer_momentum, max_samples_ratio, serve, serve_from, serve_reference,
-         hop_timeout, cache_mb, session_ttl, threads, status_interval, data_dir, tls_cert, tls_key, tls_ca,
-         **overrides) -> None:
+         hop_timeout, cache_mb, session_ttl, max_queued, threads, status_interval, data_dir, tls_cert, tls_key,
+         tls_ca, **overrides) -> None:
     """Run a node: serve the protocol, join the swarm through --peer, train --block B and serve --serve
     blocks if given, until Ctrl-C."""
     try:
@@ -857,10 +860,10 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
         torch.set_num_threads(threads)
         if served and serve_reference:
             ReferenceServer(member, serve_from, *served, hop_timeout=hop_timeout, cache_mb=cache_mb,
-                            session_ttl=session_ttl)
+                            session_ttl=session_ttl, max_queued=max_queued)
         elif served:
             BlockServer(member, serve_from, *served, hop_timeout=hop_timeout, cache_mb=cache_mb,
-                        session_ttl=session_ttl)
+                        session_ttl=session_ttl, max_queued=max_queued)
         work = None
         if block is not None:
             run = node_run_config(config_file, overrides)

@@ -518,3 +518,21 @@ def test_a_session_gone_from_a_nodes_cache_starts_over_on_a_new_session(servers,
     for seed, got in zip((1, 2), asyncio.run(both()), strict=True):
         assert got["data"] == generate(blocks, cfg.noise, codebook, b"The ", 24, 1, 0.8, seed)
     assert mid.status()["serving"]["failed_hops"] > 0  # (its sessions were evicted)
+
+
+def test_a_busy_node_that_alone_serves_its_blocks_is_asked_again_not_failed(servers, model_dir):
+    """Nodes that let one hop wait (`--max-queued-hops 1`) and eight sessions at once: hops are refused
+    as busy, and since no other node serves those blocks, their coordinator asks again after a
+    pause rather than failing the request. Every session gets the bytes of local generation."""
+    head, (mid,), tail = pipeline(servers, "--max-queued-hops", "1")
+    cfg, blocks, codebook = load_chain(model_dir, torch.device("cpu"))
+    requests = [{"prompt": f"busy {i} ".encode(), "n_bytes": 12, "mode": "ar", "k": 1, "temperature": 0.0,
+                 "seed": i, "route": []} for i in range(8)]
+
+    async def many() -> list[dict]:
+        return await asyncio.gather(*(remote_generate(head.addr, CLIENT, r) for r in requests))
+
+    for r, result in zip(requests, asyncio.run(many()), strict=True):
+        assert result["data"] == generate(blocks, cfg.noise, codebook, r["prompt"], 12, 1, 0.0, r["seed"]), r
+    assert head.status()["serving"]["busy_waits"] > 0
+    assert sum(n.status()["serving"]["failed_hops"] for n in (head, mid, tail)) > 0  # (the refusals)

@@ -15,8 +15,9 @@ traversal only the new positions travel.
 
 A hop that fails reports `hop_error` naming the node it could not reach; a traversal that gets no
 answer within `hop_timeout` is retried on a route without the nodes that are gone or do not answer
-a ping; after `retries` failed attempts the client gets a clear error. Nothing waits without a
-timeout.
+a ping; after `retries` failed attempts the client gets a clear error. A node that refused a hop
+only because it was busy (`Busy`) is routed around if another node serves its blocks, else asked
+again after a pause. Nothing waits without a timeout.
 
 Noise and sampling use generators derived from the seed and each byte's index
 (chain.traversal_generators; a generation hop's `traversal` is the index of its first byte), so a
@@ -67,6 +68,7 @@ MAX_TEXT = 1 << 20  # bytes of text one score request may carry
 MAX_OFFSET = 1 << 48  # where that text may start in a longer one (score.offset)
 MAX_SEED = (1 << 63) - 1  # seeds are torch generator seeds: signed 64-bit
 MAX_REQUESTS = 8  # a client connection's requests in flight at one coordinator (score_text sends 4 at once)
+BUSY_PAUSE_S = 0.05  # a coordinator's first pause before asking a busy node again (then doubling)
 
 
 def check_seed(msg: messages.Message) -> None:
@@ -81,16 +83,21 @@ def check_temperature(msg: messages.Message) -> None:
 
 class HopFailed(Exception):
     """A traversal failed at `node`; `stale`: only because that node no longer held the session (it
-    was evicted from its cache), so the node itself is fine."""
+    was evicted from its cache), `busy`: only because too many hops waited there; either way the
+    node itself is fine."""
 
-    def __init__(self, node: str, message: str, stale: bool = False) -> None:
+    def __init__(self, node: str, message: str, stale: bool = False, busy: bool = False) -> None:
         super().__init__(message)
-        self.node, self.stale = node, stale
+        self.node, self.stale, self.busy = node, stale, busy
 
 
 class StaleSession(ValueError):
     """A hop assumes session state this node no longer holds (evicted, or expired): the traversal
     must start over on a new session."""
+
+
+class Busy(ValueError):
+    """Too many hops wait at this node already: the traversal may be asked again in a moment."""
 
 
 @dataclass
@@ -213,8 +220,8 @@ class Batcher:
 
     `compute` maps a list of hops to a list of results, an exception standing for a refused hop.
     At most `max_queued` hops wait (each holds its tensor): one more is refused as busy, and its
-    coordinator routes around this node, rather than the node growing without bound under a peer
-    that sends hops faster than they run.
+    coordinator routes around this node or asks again after a moment, rather than the node growing
+    without bound under peers that send hops faster than they run.
     """
 
     def __init__(self, compute: Callable[[list], list], spawn: Callable, counters: dict, max_hops: int = 32,
@@ -226,9 +233,9 @@ class Batcher:
 
     async def run(self, hop: object, session: str, positions: int) -> object:
         """The result of `hop` (of `session`, over about `positions` positions) once its batch has run;
-        raises what refused it (ValueError when `max_queued` hops wait already)."""
+        raises what refused it (Busy when `max_queued` hops wait already)."""
         if len(self.queue) >= self.max_queued:
-            raise ValueError(f"busy: {len(self.queue)} hops wait here already")
+            raise Busy(f"busy: {len(self.queue)} hops wait here already")
         future = asyncio.get_running_loop().create_future()
         self.queue.append((hop, session, positions, future))
         if not self.busy:
@@ -274,7 +281,7 @@ class PipelineServer(ABC):
     kind = ""
 
     def __init__(self, node: Node, cfg: RunConfig, first: int, last: int, model_id: str, hop_timeout: float,
-                 retries: int, cache_mb: float, session_ttl: float) -> None:
+                 retries: int, cache_mb: float, session_ttl: float, max_queued: int) -> None:
         if last >= cfg.model.n_blocks:
             raise ValueError(f"--serve {first}-{last}: the model has blocks 0..{cfg.model.n_blocks - 1}")
         self.node, self.cfg, self.first, self.last = node, cfg, first, last
@@ -287,8 +294,8 @@ class PipelineServer(ABC):
         self.waiting: dict[tuple[str, int], tuple[asyncio.Future, list[Hop]]] = {}
         self.requests: collections.Counter[Connection] = collections.Counter()  # client requests running, by connection
         self.counters = {"hops": 0, "requests": 0, "traversals": 0, "failed_hops": 0, "reroutes": 0,
-                         "relayed_rows": 0, "batches": 0}
-        self.batcher = Batcher(self._compute_batch, node.spawn, self.counters)
+                         "busy_waits": 0, "relayed_rows": 0, "batches": 0}
+        self.batcher = Batcher(self._compute_batch, node.spawn, self.counters, max_queued=max_queued)
         self._learned = Allowance(8, 60.0)  # nodes learned from hops' routes (see _connection)
         node.handlers.update(hop=self.on_hop, hop_done=self.on_hop_done, hop_error=self.on_hop_error,
                              generate=self.on_generate, score=self.on_score)
@@ -366,9 +373,9 @@ class PipelineServer(ABC):
         only because it no longer held the session (`stale`) is not routed around.
         """
         me = [self.node.id, self.node.cfg.address, 0, 0]
-        error = "no attempt"
-        for attempt in range(self.retries + 1):
-            if attempt and retry_fields is not None:
+        error, attempt, waits, busy_until = "no attempt", 0, 0, None
+        while attempt <= self.retries:
+            if (attempt or waits) and retry_fields is not None:
                 fields = retry_fields()
             try:
                 route = self.route(requested, exclude)
@@ -388,6 +395,16 @@ class PipelineServer(ABC):
                 return done, route
             except HopFailed as exc:
                 error = str(exc)
+                if exc.busy and not self._avoidable(requested, exclude, exc.node):
+                    # the only node for its blocks, and busy: asked again after a pause (doubling), for up
+                    # to hop_timeout, without spending an attempt
+                    busy_until = busy_until or time.monotonic() + self.hop_timeout
+                    pause = min(BUSY_PAUSE_S * 2**waits, busy_until - time.monotonic())
+                    if pause > 0:
+                        self.counters["busy_waits"] += 1
+                        waits += 1
+                        await asyncio.sleep(pause)
+                        continue
                 if not exc.stale:
                     exclude.add(exc.node)
             except (TimeoutError, PeerGone) as exc:
@@ -399,7 +416,16 @@ class PipelineServer(ABC):
             self.counters["reroutes"] += 1
             self.node.quiet.log(logging.WARNING, "failed traversal", "traversal %d of session %s failed (attempt "
                                 "%d): %s", traversal, fields["session"], attempt + 1, error)
+            attempt += 1
         raise HopFailed("", f"the request failed after {self.retries + 1} attempts: {error}")
+
+    def _avoidable(self, requested: list, exclude: set[str], node: str) -> bool:
+        """Whether a route without `node` (and the nodes already excluded) exists."""
+        try:
+            self.route(requested, exclude | {node})
+        except NoRoute:
+            return False
+        return True
 
     async def _unresponsive(self, route: list[Hop]) -> set[str]:
         """The route's nodes that are gone or do not answer a ping within a couple of seconds (hung)."""
@@ -433,7 +459,8 @@ class PipelineServer(ABC):
 
     async def on_hop_error(self, conn: Connection | None, msg: messages.Message) -> None:
         if (future := self._awaited(conn, msg, last=False)) is not None:
-            future.set_exception(HopFailed(msg.node, f"hop {msg.node[:8]}: {msg.message}", bool(msg.stale)))
+            future.set_exception(HopFailed(msg.node, f"hop {msg.node[:8]}: {msg.message}", bool(msg.stale),
+                                           bool(msg.busy)))
 
     # --- hops ---------------------------------------------------------------------------------------
 
@@ -510,7 +537,8 @@ class PipelineServer(ABC):
             self.node.quiet.log(logging.WARNING, "failed hop", "hop of session %s failed: %s", msg.session[:8], exc)
             await self._reply(coordinator, messages.HopError(session=msg.session, traversal=msg.traversal, node=failed,
                                                              message=str(exc),
-                                                             stale=isinstance(exc, StaleSession) or None))
+                                                             stale=isinstance(exc, StaleSession) or None,
+                                                             busy=isinstance(exc, Busy) or None))
 
     @abstractmethod
     def _compute_batch(self, hops: list[tuple[messages.Message, torch.Tensor | None, str | None]]) -> list:
@@ -569,7 +597,8 @@ class BlockServer(PipelineServer):
     kind = "blocktrain"
 
     def __init__(self, node: Node, folder: str | Path, first: int, last: int, hop_timeout: float = 10.0,
-                 retries: int = 2, cache_mb: float = 256.0, session_ttl: float = 300.0) -> None:
+                 retries: int = 2, cache_mb: float = 256.0, session_ttl: float = 300.0,
+                 max_queued: int = 128) -> None:
         n_blocks = checkpoint.read_config(folder, checkpoint.block_name(first)).model.n_blocks
         if last >= n_blocks:
             raise ValueError(f"--serve {first}-{last}: the model in {folder} has blocks 0-{n_blocks - 1}")
@@ -583,7 +612,8 @@ class BlockServer(PipelineServer):
             raise ValueError("serving runs the deterministic sampler; this model's noise config has churn > 0")
         # which model this is (not which weights: holders of a block may be a round apart)
         model_id = hashlib.sha256(repr((self.kind, cfg.model, cfg.noise)).encode()).hexdigest()[:16]
-        super().__init__(node, cfg, first, last, model_id, hop_timeout, retries, cache_mb, session_ttl)
+        super().__init__(node, cfg, first, last, model_id, hop_timeout, retries, cache_mb, session_ttl,
+                         max_queued)
         self.blocks = {b: block_from(e, cfg, self.device, b)
                        for b, e in zip(range(first, last + 1), entries, strict=True)}
         self.codebook = make_codebook(cfg.model).to(self.device)
@@ -766,7 +796,8 @@ class ReferenceServer(PipelineServer):
     kind = "reference"
 
     def __init__(self, node: Node, folder: str | Path, first: int, last: int, hop_timeout: float = 10.0,
-                 retries: int = 2, cache_mb: float = 256.0, session_ttl: float = 300.0) -> None:
+                 retries: int = 2, cache_mb: float = 256.0, session_ttl: float = 300.0,
+                 max_queued: int = 128) -> None:
         entry = checkpoint.load(folder, checkpoint.REFERENCE)
         cfg = entry.config
         if last >= cfg.model.n_blocks:
@@ -775,7 +806,8 @@ class ReferenceServer(PipelineServer):
         if cfg.model.reference_layout != "plain":
             raise ValueError("the reference pipeline serves a plain reference (--reference-layout plain)")
         model_id = hashlib.sha256(repr((self.kind, cfg.model)).encode()).hexdigest()[:16]
-        super().__init__(node, cfg, first, last, model_id, hop_timeout, retries, cache_mb, session_ttl)
+        super().__init__(node, cfg, first, last, model_id, hop_timeout, retries, cache_mb, session_ttl,
+                         max_queued)
         _, self.model = load_reference(folder, self.device)
         per_block = cfg.model.layers_per_block
         self.layers = list(self.model.layers)[first * per_block : (last + 1) * per_block]

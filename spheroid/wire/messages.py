@@ -79,7 +79,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
             "seed": "uint", "z": "uint?", "targets": "bin?", "relay_from": "uint?",
             "draft": "uint?"},
     "hop_done": {"session": "str", "traversal": "uint", "data": "bin", "nll": "float", "count": "uint"},
-    "hop_error": {"session": "str", "traversal": "uint", "node": "str", "message": "str", "stale": "bool?"},
+    "hop_error": {"session": "str", "traversal": "uint", "node": "str", "message": "str", "stale": "bool?",
+                  "busy": "bool?"},
     # errors and goodbyes
     "error": {"code": "str", "message": "str", "peers": "list?"},  # peers: with busy, some a dialler may try instead
     "bye": {"reason": "str"},
