@@ -17,7 +17,7 @@ A hop that fails reports `hop_error` naming the node it could not reach; a trave
 answer within `hop_timeout` is retried on a route without the nodes that are gone or do not answer
 a ping; after `retries` failed attempts the client gets a clear error. A node that refused a hop
 only because it was busy (`Busy`) is routed around if another node serves its blocks, else asked
-again after a pause. Nothing waits without a timeout.
+again after pauses that last at most `hop_timeout` in all. Nothing waits without a timeout.
 
 Noise and sampling use generators derived from the seed and each byte's index
 (chain.traversal_generators; a generation hop's `traversal` is the index of its first byte), so a
@@ -37,6 +37,7 @@ import hashlib
 import logging
 import math
 import os
+import random
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -373,10 +374,11 @@ class PipelineServer(ABC):
         only because it no longer held the session (`stale`) is not routed around.
         """
         me = [self.node.id, self.node.cfg.address, 0, 0]
-        error, attempt, waits, busy_until = "no attempt", 0, 0, None
+        error, attempt, waits, busy_until, renew = "no attempt", 0, 0, None, False
         while attempt <= self.retries:
-            if (attempt or waits) and retry_fields is not None:
+            if renew and retry_fields is not None:
                 fields = retry_fields()
+            renew = True  # (unless the failure below says no node did any work)
             try:
                 route = self.route(requested, exclude)
             except NoRoute as exc:
@@ -395,14 +397,18 @@ class PipelineServer(ABC):
                 return done, route
             except HopFailed as exc:
                 error = str(exc)
-                if exc.busy and not self._avoidable(requested, exclude, exc.node):
-                    # the only node for its blocks, and busy: asked again after a pause (doubling), for up
-                    # to hop_timeout, without spending an attempt
+                if exc.busy:  # (no attempt spent: routing around leaves fewer nodes, and the pauses have a bound)
+                    if self._avoidable(requested, exclude, exc.node):
+                        exclude.add(exc.node)
+                        continue
+                    # the only node for its blocks: asked again after a pause (doubling, jittered so that
+                    # coordinators refused together do not come back together), all pauses within hop_timeout
                     busy_until = busy_until or time.monotonic() + self.hop_timeout
-                    pause = min(BUSY_PAUSE_S * 2**waits, busy_until - time.monotonic())
+                    pause = min(BUSY_PAUSE_S * 2**waits * random.uniform(0.5, 1.5), busy_until - time.monotonic())
                     if pause > 0:
                         self.counters["busy_waits"] += 1
                         waits += 1
+                        renew = exc.node != route[0].node  # (refused by the first node: nothing was computed)
                         await asyncio.sleep(pause)
                         continue
                 if not exc.stale:

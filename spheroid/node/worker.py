@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 # 2 snapshots, and 8 changes from readers' copies (each a codec pass and a fraction of a
 # snapshot's bytes; a reader told to try another holder would get a snapshot from it)
 MAX_SERVING = {"snapshot": 2, "change": 8}
+MAX_JOINERS_WAITING = 8  # same-block peers' requests waiting for this node's averaging round to close
 DELTA_CODECS = REFRESH_CODECS[1:]  # codecs a holder sends a change since a state in (all but fp32)
 RECENT = 4  # states a holder keeps, to send a reader the change from the one it holds
 COPIES = 64  # readers' copies a holder keeps (the last it made), to send the change from them,
@@ -340,9 +341,10 @@ class BlockWorker:
         torch.manual_seed(cfg.train.seed * 7919 + node_seed)
         self.step, self.loss, self.ce = 0, float("nan"), float("nan")
         self.round_end: int | None = None  # the step this node's round's local steps end at, while it trains them
-        # set while it trains a round's local steps (round_end is set), and once it is done training:
-        # not averaging a round, so a joiner served now has a round to join (`_not_averaging`)
-        self.joinable = asyncio.Event()
+        # clear while it averages a round: a same-block joiner is answered once it is set again (`on_state_get`)
+        self.not_averaging = asyncio.Event()
+        self.not_averaging.set()
+        self.joiners_waiting = 0
         self.stopping = False  # (set when the node stops: the training thread ends after its current step)
         # with a state adopted from a holder mid-round: the share of that round's steps it had left
         self.left: float | None = None
@@ -478,14 +480,17 @@ class BlockWorker:
             self._adopt_pending()
             started = self.step
             await self._train_round()
-            closed = await self.averager.round(self.params() - self.replica.state.params,
-                                               (self.step - started) * t.batch, self._preferred_pending)
+            self.not_averaging.clear()
+            try:
+                closed = await self.averager.round(self.params() - self.replica.state.params,
+                                                   (self.step - started) * t.batch, self._preferred_pending)
+            finally:
+                self.not_averaging.set()
             if closed is None:
                 self._adopt_pending()  # this round was on the old state; the progress is rebased
             else:
                 await self._closed(closed, self.step - started)
         self.done = True
-        self.joinable.set()
         # no more rounds from this node: peers that hear it before their next round leave it out of the
         # one after (the next waits for it until its deadline: its group is counted already)
         self.replica.synced = False
@@ -512,15 +517,12 @@ class BlockWorker:
         while n > 0:
             n = min(n, self.cfg.train.steps - self.step)
             self.round_end = self.step + n
-            self.joinable.set()
             try:
                 await asyncio.to_thread(self._train_steps, n)
             except asyncio.CancelledError:
                 self.stopping = True  # (the thread goes on until it looks: after its current step, not n)
                 raise
-            finally:
-                self.round_end = None
-                self.joinable.clear()
+            self.round_end = None
             adopted = self._adopt_pending()
             # (stopped before its first step: a round has one at least, and an update samples)
             n = self._round_steps() if (adopted and self.left is not None) or self.step == started else 0
@@ -665,12 +667,38 @@ class BlockWorker:
             await conn.send(messages.Error(re=msg.id, code="no_state",
                                            message=f"this node holds block {self.block}, not {msg.block}"))
             return
+        if (self.block in conn.hello.blocks and not self.not_averaging.is_set()
+                and self.joiners_waiting < MAX_JOINERS_WAITING):
+            self.joiners_waiting += 1  # (counted now, as below)
+            self.node.spawn(self._serve_after_round(conn, msg))
+            return
+        await self._serve(conn, msg)
+
+    async def _serve(self, conn: Connection, msg: messages.Message) -> None:
+        """Stream the state in a task of its own if a transfer of its kind may start; else say busy."""
         kind = self._serves(msg)
         if self.serving[kind] >= MAX_SERVING[kind]:
             await conn.send(messages.Error(re=msg.id, code="busy", message="try another holder"))
         else:
             self.serving[kind] += 1  # (counted now: requests in one read are handled before the task runs)
             self.node.spawn(self._serve_state(conn, msg, kind))
+
+    async def _serve_after_round(self, conn: Connection, msg: messages.Message) -> None:
+        """Answer a same-block peer once this node's averaging round has closed. Served now, a joiner
+        would get the state of a round about to close, with none of its steps left to train: trained
+        whole on it, its first update would come after that round had closed, and it would end that
+        round on a state of its own and fetch again. Served after, it gets the state the next round
+        starts from, which it trains with this node. It waits at most the round's deadline and a
+        second, within 0.8 of this node's timeout (the requester's, most likely); past that it is
+        served the state as it is, and not at all if it has gone meanwhile."""
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(self.avg.wait + 1.0, 0.8 * self.node.cfg.timeout)):
+                    await self.not_averaging.wait()
+        finally:
+            self.joiners_waiting -= 1
+        if not conn.closed:
+            await self._serve(conn, msg)
 
     def _serves(self, msg: messages.Message) -> str:
         """What a state request will most likely get: a change, if it names parameters this node
@@ -682,8 +710,6 @@ class BlockWorker:
         """Stream this node's state; or, asked in a lossy codec for the change from parameters it
         knows, that change (parameters only: a reader has no use for the outer momentum), keeping
         the copy it makes so that the next change starts from it. (`serving[kind]` counts it already.)"""
-        if self.block in conn.hello.blocks:  # (a joiner: it trains the share of the round this node has left)
-            await self._not_averaging()
         state = self.replica.state  # a snapshot: rounds replace the state object, never mutate it
         members = self.replica.members()  # (the group of the round that starts from it)
         try:
@@ -715,19 +741,6 @@ class BlockWorker:
                                 exc)
         finally:
             self.serving[kind] -= 1
-
-    async def _not_averaging(self) -> None:
-        """If this node is averaging a round (its steps trained), wait until it trains the next one
-        (or is done). A joiner served now would get the state of a round about to close, with no steps
-        of it left to train: trained whole on it, its first update would come after that round had
-        closed, and it would end that round on a state of its own and have to fetch again. Bounded
-        by the round's deadline, and by the requester's patience (its timeout, taken to be this
-        node's own): past that, it gets the state as it is."""
-        if self.fresh or self.joinable.is_set():
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(min(self.avg.wait + 1.0, 0.8 * self.node.cfg.timeout)):
-                await self.joinable.wait()
 
     # --- status -------------------------------------------------------------------------------------
 
