@@ -276,17 +276,19 @@ class Upstream:
         for b, holders in wanted.items():
             n_params = sum(p.numel() for p in self.earlier.blocks[b].parameters())
             since = self.copies.get(b)
-            before = self._received(holders)
-            # (the holder that made this copy first: another would not know it and send a snapshot)
-            got = await fetch_from(self.node, holders, b, n_params, self.earlier.cfg, since,
-                                   self.codec if since else None, prefer=self.donors.get(b))
-            self.bytes += self._received(holders) - before  # (the transfer, and any version notes meanwhile)
-            held = self.held.get(b)
-            if got is not None and held is not None and not got[1].version.preferred_over(held):
+            before, held, left, got = self._received(holders), self.held.get(b), list(holders), None
+            while left:
+                # (the holder that made this copy first: another would not know it and send a snapshot)
+                got = await fetch_from(self.node, left, b, n_params, self.earlier.cfg, since,
+                                       self.codec if since else None, prefer=self.donors.get(b))
+                if got is None or held is None or got[1].version.preferred_over(held):
+                    break
                 log.warning("block %d's state from %s refused: round %d, not later than the copy held (round %d); "
                             "its announcement is forgotten", b, got[0][:8], got[1].version.round, held.round)
                 self.announced[b].pop(got[0], None)  # (not asked again until it announces again)
+                left.remove(got[0])
                 got = None
+            self.bytes += self._received(holders) - before  # (the transfers, and any version notes meanwhile)
             if got is None:  # (its holders busy, gone or behind: looked at again then, announcement or not)
                 self.failed[b] = time.monotonic() + FETCH_RETRY_S
                 self.node.spawn(self._refresh_after(FETCH_RETRY_S))
