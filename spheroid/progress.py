@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 
 def duration(seconds: float) -> str:
@@ -36,22 +37,44 @@ class Progress:
 
 class QuietLog:
     """Log lines that can repeat without bound (one per fake peer, per refused connection) at most
-    `burst` times per kind and `period`, then one line saying how many were left out."""
+    `burst` times per kind and `period`, then one line saying how many were left out: written when
+    the next line of that kind comes after the period, or by `flush_all` (a node calls it with its
+    status line), so a flood that stops is still counted."""
+
+    _all: weakref.WeakSet[QuietLog] = weakref.WeakSet()
 
     def __init__(self, logger: logging.Logger, burst: int = 5, period: float = 10.0) -> None:
         self.logger, self.burst, self.period = logger, burst, period
-        self._window: dict[str, tuple[float, int]] = {}  # kind -> (window start, lines in it)
+        self._window: dict[str, tuple[float, int, int]] = {}  # kind -> (window start, lines in it, level)
+        QuietLog._all.add(self)
 
     def log(self, level: int, kind: str, text: str, *args: object, exc_info: bool = False) -> None:
         now = time.monotonic()
-        start, count = self._window.get(kind, (now, 0))
-        if now - start >= self.period:
-            if count > self.burst:
-                self.logger.log(level, "(%d more %s lines in %.0fs left out)", count - self.burst, kind, now - start)
-            start, count = now, 0
-        self._window[kind] = (start, count + 1)
+        self._close(kind, now)
+        start, count, _ = self._window.get(kind, (now, 0, level))
+        self._window[kind] = (start, count + 1, level)
         if count < self.burst:
             self.logger.log(level, text, *args, exc_info=exc_info)
+
+    def flush(self) -> None:
+        """Count the lines left out of every kind whose period is over."""
+        now = time.monotonic()
+        for kind in list(self._window):
+            self._close(kind, now)
+
+    @classmethod
+    def flush_all(cls) -> None:
+        for quiet in list(cls._all):
+            quiet.flush()
+
+    def _close(self, kind: str, now: float) -> None:
+        """End `kind`'s window if its period is over, saying how many of its lines were left out."""
+        start, count, level = self._window.get(kind, (now, 0, 0))
+        if now - start < self.period:
+            return
+        if count > self.burst:
+            self.logger.log(level, "(%d more %s lines in %.0fs left out)", count - self.burst, kind, now - start)
+        self._window.pop(kind, None)
 
 
 def one_line(text: str, limit: int) -> str:

@@ -453,6 +453,22 @@ def test_repetitive_log_lines_are_rate_limited(caplog):
                      lines[3], "forgetting peer 100"] and "97 more forget lines" in lines[3]
 
 
+def test_a_flood_of_log_lines_that_stops_is_still_counted(caplog):
+    """With no later line of its kind, the count of what was left out is written by a flush once the
+    period is over (a node flushes with its status line), and not before."""
+    quiet = QuietLog(logging.getLogger("quiet-test"), burst=2, period=0.2)
+    with caplog.at_level(logging.WARNING, "quiet-test"):
+        for i in range(10):
+            quiet.log(logging.WARNING, "refused", "refused %d", i)
+        QuietLog.flush_all()
+        assert [r.getMessage() for r in caplog.records] == ["refused 0", "refused 1"]
+        time.sleep(0.25)
+        QuietLog.flush_all()
+        QuietLog.flush_all()  # (once only)
+    assert [r.getMessage() for r in caplog.records][2:] == ["(8 more refused lines in 0s left out)"]
+    assert caplog.records[2].levelno == logging.WARNING
+
+
 def test_a_log_record_is_one_line_of_bounded_length_whatever_it_quotes():
     """A peer's strings are quoted in log messages: escaped, they cannot start lines of their own; and
     every handler (stderr, --log-file) shows the same line. A traceback keeps its lines, and a bad

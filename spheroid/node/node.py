@@ -666,6 +666,7 @@ class Node:
         while True:
             await asyncio.sleep(self.cfg.status_interval)
             log.info("%s", self.status_line())
+            QuietLog.flush_all()  # (what the rate-limited lines left out of a flood that has stopped)
 
     # --- status -----------------------------------------------------------------------------------
 
