@@ -15,11 +15,12 @@ every round starts at such an instant in all processes (each waits for it), afte
 warm-up rounds (after one, the first timed round at 8 processes took about three times as long as
 the others, 0.49 to 0.57 s against 0.16, in all three runs of a day). The time of a round is from
 that instant to the last process's end; the table gives the median over --rounds. CPU: each
-process's CPU time (all its threads) spent in the timed rounds' averaging, per round: on a machine
-with fewer cores than processes it is what the round's time is made of. Bytes sent per node: what
-the kernel counted on the loopback interface (/proc/net/dev, "lo") during the timed rounds,
-divided by N, the same count for both; and for spheroid, the nodes' own counters of wire bytes
-sent. Nothing else should use loopback while this runs. The ratio columns put spheroid against
+process's CPU time (all its threads) spent in the timed rounds' averaging, per round, and its two
+parts, in user space (Python, the arithmetic, hashing) and in the kernel (the sockets' copies,
+system calls): on a machine with fewer cores than processes it is what the round's time is made of.
+Bytes sent per node: what the kernel counted on the loopback interface (/proc/net/dev, "lo")
+during the timed rounds, divided by N, the same count for both; and for spheroid, the nodes' own
+counters of wire bytes sent. Nothing else should use loopback while this runs. The ratio columns put spheroid against
 gloo, measured in the same run.
 
 With --repeats K, each N runs K pairs of the two systems back to back, the order alternating
@@ -38,6 +39,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -78,6 +80,26 @@ def updates(rank: int, count: int, params: int) -> list[torch.Tensor]:
     early would make its next update while the others are still in their round, and slow them."""
     pool = torch.randn(params + count - 1, generator=torch.Generator().manual_seed(rank)) * 0.01
     return [pool[r : r + params] for r in range(count)]
+
+
+class CpuTime:
+    """CPU seconds this process (all its threads) spends between `start` and `stop`, summed over the
+    times it is started: in user space and in the kernel, by getrusage."""
+
+    def __init__(self) -> None:
+        self.user = self.sys = 0.0
+
+    def start(self) -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.user, self.sys = self.user - usage.ru_utime, self.sys - usage.ru_stime
+
+    def stop(self) -> None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.user, self.sys = self.user + usage.ru_utime, self.sys + usage.ru_stime
+
+    def per_round(self, rounds: int) -> dict:
+        return {"cpu_s_per_round": (self.user + self.sys) / rounds, "user_s_per_round": self.user / rounds,
+                "sys_s_per_round": self.sys / rounds}
 
 
 async def sleep_until(t: float) -> None:
@@ -130,23 +152,24 @@ async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
         replica = Replica(node.id, SharedState.create(0, 0, genesis, None), AveragingConfig(wait=a.interval),
                           expected=set(node.conns))
         averager = Averager(node, 0, replica, "fp32", "none")
-        rounds, sent, cpu = [], 0, 0.0
+        rounds, sent, cpu = [], 0, CpuTime()
         for r, delta in zip(range(-WARMUP, a.rounds), deltas, strict=True):  # rounds before 0: the warm-up
             start = start0 + (r + WARMUP) * a.interval
             await sleep_until(start)
             if r == 0:
                 await averager.flush()
-                sent, cpu = node.traffic.totals()["sent"]["wire_bytes"], 0.0
-            cpu -= time.process_time()  # (the update's making is not the round's work)
+                sent, cpu = node.traffic.totals()["sent"]["wire_bytes"], CpuTime()
+            cpu.start()  # (the update's making is not the round's work)
             closed = await averager.round(delta, 8)
-            cpu += time.process_time()
+            cpu.stop()
             rounds.append({"start": start, "end": time.time(), "contributors": len(closed.contributors),
                            "missing": len(closed.missing), "hash": closed.state.version.hash})
-        cpu -= time.process_time()
+        cpu.start()
         await averager.flush()
-        sent, cpu = node.traffic.totals()["sent"]["wire_bytes"] - sent, cpu + time.process_time()
+        cpu.stop()
+        sent = node.traffic.totals()["sent"]["wire_bytes"] - sent
         await sleep_until(start0 + (WARMUP + a.rounds) * a.interval)  # the others may still be sending to it
-        return {"rounds": rounds[WARMUP:], "sent_bytes_per_round": sent / a.rounds, "cpu_s_per_round": cpu / a.rounds}
+        return {"rounds": rounds[WARMUP:], "sent_bytes_per_round": sent / a.rounds, **cpu.per_round(a.rounds)}
     finally:
         await node.stop()
         ident.release()
@@ -160,18 +183,20 @@ def gloo_member(a: argparse.Namespace) -> dict:
     try:
         deltas = updates(a.rank, WARMUP + a.rounds, a.params)
         start0 = ready_then_start(a.folder, a.rank)
-        rounds, cpu = [], 0.0
+        rounds, cpu = [], CpuTime()
         for r, delta in zip(range(-WARMUP, a.rounds), deltas, strict=True):
             start = start0 + (r + WARMUP) * a.interval
             x = delta.clone()  # (all_reduce sums into it)
             time.sleep(max(0.0, start - time.time()))
-            cpu -= time.process_time() if r >= 0 else 0.0
+            if r >= 0:
+                cpu.start()
             dist.all_reduce(x)
             x /= a.n
             rounds.append({"start": start, "end": time.time()})
-            cpu += time.process_time() if r >= 0 else 0.0
+            if r >= 0:
+                cpu.stop()
         dist.barrier()
-        return {"rounds": rounds[WARMUP:], "cpu_s_per_round": cpu / a.rounds}
+        return {"rounds": rounds[WARMUP:], **cpu.per_round(a.rounds)}
     finally:
         dist.destroy_process_group()
 
@@ -212,7 +237,8 @@ def run(kind: str, n: int, params: int, rounds: int, interval: float, setup_s: f
         raise RuntimeError(f"{kind} rounds took {max(late):.2f}s, longer than --interval {interval}: raise it")
     row = {"system": kind, "procs": n, "round_s": statistics.median(times), "round_s_all": times,
            "loopback_bytes_per_node": (tx1 - tx0) / n / rounds,
-           "cpu_s_per_node": statistics.mean(m["cpu_s_per_round"] for m in results)}
+           **{f"{part}_s_per_node": statistics.mean(m[f"{part}_s_per_round"] for m in results)
+              for part in ("cpu", "user", "sys")}}
     if kind == "spheroid":
         row["node_bytes_per_node"] = statistics.mean(m["sent_bytes_per_round"] for m in results)
         row["agree"] = all(len({m["rounds"][r]["hash"] for m in results}) == 1 for r in range(rounds))
@@ -237,8 +263,8 @@ def summary(rows: list[dict], n: int, tensor_bytes: int) -> dict:
             "spheroid_round_s": median("spheroid", "round_s"),
             "time_ratio": statistics.median(ratios), "time_ratio_min": min(ratios), "time_ratio_max": max(ratios),
             "time_ratios": ratios,
-            "gloo_cpu_s_per_node": median("gloo", "cpu_s_per_node"),
-            "spheroid_cpu_s_per_node": median("spheroid", "cpu_s_per_node"),
+            **{f"{kind}_{part}_s_per_node": median(kind, f"{part}_s_per_node")
+               for kind in ("gloo", "spheroid") for part in ("cpu", "user", "sys")},
             "gloo_bytes_per_node": median("gloo", "loopback_bytes_per_node"),
             "spheroid_bytes_per_node": median("spheroid", "loopback_bytes_per_node"),
             "spheroid_bytes_over_tensor": median("spheroid", "loopback_bytes_per_node") / tensor_bytes,
@@ -293,13 +319,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\none averaging round of {tensor_bytes / 2**20:.0f} MiB (float32), median of {a.rounds}; "
           f"{a.repeats} pair(s) of runs: times and CPU are each system's median over them, the ratio the median of "
           f"the pairs' ratios [their range]; bytes sent per node on loopback, as a multiple of the tensor; "
-          f"cpu: seconds of CPU per node per round")
-    print(f"{'procs':>5} | {'gloo s':>7} | {'spheroid s':>10} | {'ratio':>5} {'[range]':>11} | {'gloo cpu':>8} | "
-          f"{'spheroid cpu':>12} | {'gloo x':>6} | {'spheroid x':>10} | replicas agree")
+          f"cpu: seconds of CPU per node per round (user space + kernel)")
+    print(f"{'procs':>5} | {'gloo s':>7} | {'spheroid s':>10} | {'ratio':>5} {'[range]':>11} | {'gloo cpu':>19} | "
+          f"{'spheroid cpu':>19} | {'gloo x':>6} | {'spheroid x':>10} | replicas agree")
+
+    def cpu(t: dict, kind: str) -> str:
+        user, kernel = t[f"{kind}_user_s_per_node"], t[f"{kind}_sys_s_per_node"]
+        return f"{t[f'{kind}_cpu_s_per_node']:.3f} ({user:.3f}+{kernel:.3f})"
+
     for t in table:
         spread = f"[{t['time_ratio_min']:.2f}-{t['time_ratio_max']:.2f}]"
         print(f"{t['procs']:>5} | {t['gloo_round_s']:>7.3f} | {t['spheroid_round_s']:>10.3f} | {t['time_ratio']:>5.2f} "
-              f"{spread:>11} | {t['gloo_cpu_s_per_node']:>8.3f} | {t['spheroid_cpu_s_per_node']:>12.3f} "
+              f"{spread:>11} | {cpu(t, 'gloo'):>19} | {cpu(t, 'spheroid'):>19} "
               f"| {t['gloo_bytes_over_tensor']:>6.2f} | {t['spheroid_bytes_over_tensor']:>10.2f} | "
               f"{'yes' if t['agree'] and t['complete'] else 'NO'}")
     print(f"\nJSON: {a.out}")

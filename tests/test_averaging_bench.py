@@ -29,11 +29,14 @@ def test_averaging_bench_runs_both_systems_and_a_butterfly_round_sends_two_vecto
     # 2 (n - 1) / n of the tensor, plus framing and the odd ping: by the nodes' own counters
     assert 4 / 3 <= ours["node_bytes_per_node"] / result["tensor_bytes"] < 4 / 3 * 1.05
     assert "replicas agree" in proc.stdout
+    for system in ("gloo", "spheroid"):  # (CPU in user space and in the kernel, which add up)
+        assert row[f"{system}_user_s_per_node"] > 0 and row[f"{system}_sys_s_per_node"] >= 0
+        assert row[f"{system}_cpu_s_per_node"] > 0
 
 
 def run_row(system: str, round_s: float, pair: int, cpu: float, **extra) -> dict:
-    return {"system": system, "procs": 8, "round_s": round_s, "cpu_s_per_node": cpu, "loopback_bytes_per_node": 7.0,
-            "pair": pair, **extra}
+    return {"system": system, "procs": 8, "round_s": round_s, "cpu_s_per_node": cpu, "user_s_per_node": cpu / 4,
+            "sys_s_per_node": cpu * 3 / 4, "loopback_bytes_per_node": 7.0, "pair": pair, **extra}
 
 
 def test_repeated_pairs_give_the_median_of_their_ratios_and_their_range():
@@ -48,6 +51,7 @@ def test_repeated_pairs_give_the_median_of_their_ratios_and_their_range():
     assert row["time_ratio_max"] == 0.14 / 0.08
     assert row["gloo_round_s"] == 0.09 and row["spheroid_round_s"] == 0.14
     assert row["gloo_cpu_s_per_node"] == 0.020 and row["spheroid_cpu_s_per_node"] == 0.032
+    assert row["gloo_user_s_per_node"] == 0.020 / 4 and row["spheroid_sys_s_per_node"] == 0.032 * 3 / 4
     assert row["spheroid_bytes_over_tensor"] == 7.0 / 4 and row["agree"] and not row["complete"]
     with pytest.raises(ValueError, match="whole pairs"):
         summary(rows[:-1], 8, tensor_bytes=4)
