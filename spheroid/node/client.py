@@ -195,7 +195,7 @@ async def request_state(conn: Connection, block: int, n_params: int | None = Non
 
     ValueError if the reply does not add up; PeerGone if the peer cannot or will not send it.
     """
-    reply = await conn.request(StateGet(block=block, since=since, codec=codec))
+    reply = await conn.request(StateGet(block=block, since=since, codec=codec, within=conn.timeout))
     if reply.block != block:
         raise ValueError(f"the state of block {reply.block}, not of block {block}")
     run_cfg = RunConfig.from_dict(reply.config)

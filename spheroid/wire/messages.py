@@ -63,7 +63,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # finer one), and says so with "since" in its reply; "members" is the group of the round that
     # starts from the state; "left" the share of that round's local steps the responder has still
     # to train (absent when it is not training)
-    "state_get": {"block": "uint", "since": "str?", "codec": "str?"},
+    "state_get": {"block": "uint", "since": "str?", "codec": "str?", "within": "float?"},
     "state_reply": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "stream": "uint",
                     "config": "map", "since": "str?", "members": "list?", "left": "float?"},
     # serving (spheroid/node/serving.py): a client asks any node, which coordinates; activations go
