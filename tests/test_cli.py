@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -20,19 +19,16 @@ from .nodes import wait_until
 
 TINY = ["--d-model", "32", "--n-heads", "2", "--layers-per-block", "1", "--context", "32", "--batch", "4",
         "--warmup", "5"]
-# one torch thread: the same arithmetic, hence the same weights, in every run
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def spheroid(*args: str | bytes, data_dir: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     extra = ["--data", str(data_dir)] if data_dir else []
-    return subprocess.run([sys.executable, "-m", "spheroid", *args, *extra], capture_output=True, timeout=timeout,
-                          env=ENV)
+    return subprocess.run([sys.executable, "-m", "spheroid", *args, *extra], capture_output=True, timeout=timeout)
 
 
 def start(*args: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "spheroid", *args], stdout=open(log, "wb"),
-                            stderr=subprocess.STDOUT, env=ENV)
+                            stderr=subprocess.STDOUT)
 
 
 def weights(folder: Path, name: str) -> dict[str, torch.Tensor]:
