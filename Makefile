@@ -19,8 +19,9 @@ DEMO_OUT ?= runs/demo
 DEMO_MODEL ?= --steps 600 --d-model 64 --context 64 --batch 32 --layers-per-block 1 --lr 2e-3
 DEMO_FLAGS ?= $(DEMO_MODEL) --every 20
 STAMP := $(VENV)/.installed
-# the tests in two processes, each file's tests in one (its module fixtures, such as a bench run, run once)
-PYTEST_FLAGS ?= -n 2 --dist loadfile
+# the tests in two processes, each file's tests in one (its module fixtures, such as a bench run, run
+# once), files in the order tests/conftest.py gives them
+PYTEST_FLAGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 export SPHEROID_DATA := $(DATA)
 

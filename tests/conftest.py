@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,25 @@ import torch
 from spheroid.config import ModelConfig, NoiseConfig, RunConfig, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# One torch thread in the test processes and every process they start (the CLI's trainers, eval,
+# generate; nodes take --threads, 1 by default): the same arithmetic, hence the same weights, in
+# every run of a command (tests compare them); and the suite runs two test processes on machines of
+# about two cores, and torch's default of a thread per core has each thread spin-wait for the
+# others while another process holds the cores. Measured beside two CPU hogs: the two-level error
+# feedback test in test_averaging.py took 28 s of CPU with the default, 5.6 s with one thread.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files that run a benchmark's smoke preset first, then the others by their number of tests, the
+    most first. The suite runs whole files in two processes (`--dist loadfile`) in this order
+    (`--no-loadscope-reorder`: xdist's own order is by number of tests alone, which puts those files,
+    a test or two of a minute each, last, where one ran alone while the other process had nothing
+    left)."""
+    per_file = Counter(item.path for item in items)
+    items.sort(key=lambda item: (not item.path.name.endswith("_bench.py"), -per_file[item.path]))
 
 
 @pytest.fixture(scope="session")
