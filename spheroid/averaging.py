@@ -691,8 +691,8 @@ class Replica:
         reference = self._reference_samples(kept)
         rejected = self._norm_outliers(kept, reference)
         for sender, reason in rejected.items():
-            log.warning("%s from %s for round %d refused: %s", type(kept[sender]).__name__.lower(), sender[:8],
-                        self.round, reason)
+            self.quiet.log(logging.WARNING, "refused", "%s from %s for round %d refused: %s",
+                           type(kept[sender]).__name__.lower(), sender[:8], self.round, reason)
             self.counters.rejected += 1
         self.rejected.update(rejected)
         used = sorted(s for s in kept if s not in rejected)
@@ -715,10 +715,10 @@ class Replica:
         cap = max(1, int(bound))
         for sender, part in used.items():
             if part.samples > cap:
-                log.warning("%s from %s for round %d claims %d samples; counted as %d (max_samples_ratio %g times "
-                            "the median's or this node's own): raise --max-samples-ratio if batches differ that much",
-                            type(part).__name__.lower(), sender[:8], self.round, part.samples, cap,
-                            self.cfg.max_samples_ratio)
+                self.quiet.log(logging.WARNING, "capped", "%s from %s for round %d claims %d samples; counted as %d "
+                               "(max_samples_ratio %g times the median's or this node's own): raise "
+                               "--max-samples-ratio if batches differ that much", type(part).__name__.lower(),
+                               sender[:8], self.round, part.samples, cap, self.cfg.max_samples_ratio)
                 self.counters.capped += 1
         return {sender: min(part.samples, cap) for sender, part in used.items()}
 
@@ -931,9 +931,9 @@ class Replica:
             sent = [got.leaves[k : k + DIGEST] for k in range(0, len(got.leaves), DIGEST)]
             if cell == checked and (mine := [d for v in vectors for d in leaf_digests(v, leaves)]) != sent:
                 owner = self.layout.owner(self.cell_at[cell][1], self.cell_at[cell][0])
-                log.warning("cell %d:%d of round %d (its owner %s, from %s): its leaf digests are not those of "
-                            "its values; this replica's state hash uses its own", *cell, self.round, owner[:8],
-                            got.sender[:8])
+                self.quiet.log(logging.WARNING, "forged", "cell %d:%d of round %d (its owner %s, from %s): its "
+                               "leaf digests are not those of its values; this replica's state hash uses its own",
+                               *cell, self.round, owner[:8], got.sender[:8])
                 self.counters.forged += 1
                 sent = mine
             for side in range(len(vectors)):

@@ -624,6 +624,15 @@ def test_a_part_claiming_far_more_samples_than_its_peers_weighs_in_with_max_samp
             AveragingConfig(max_samples_ratio=bad)
 
 
+def test_a_claim_capped_round_after_round_is_counted_every_time_and_logged_a_few_times(caplog):
+    me, peer = replicas(2, AveragingConfig(wait=1.0, max_samples_ratio=2.0))
+    for _ in range(8):
+        exchange([me, peer], [torch.full((P,), 0.01), torch.full((P,), 0.02)], [8, 10**9])
+        assert me.close().state.version == peer.close().state.version
+    claims = [r for r in caplog.records if "claims 1000000000 samples" in r.getMessage()]
+    assert me.counters.capped == 8 and len(claims) == me.quiet.burst < 8
+
+
 def test_parts_of_a_share_of_a_round_pulling_the_median_down_cap_no_full_part():
     """Three replicas that trained a share of a round (joiners' first parts, a last round cut short)
     put the median at their samples; an owner whose own part is a full round's still counts its
