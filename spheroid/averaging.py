@@ -691,7 +691,7 @@ class Replica:
         reference = self._reference_samples(kept)
         rejected = self._norm_outliers(kept, reference)
         for sender, reason in rejected.items():
-            self.quiet.log(logging.WARNING, "refused", "%s from %s for round %d refused: %s",
+            self.quiet.log(logging.WARNING, "outlier", "%s from %s for round %d refused: %s",
                            type(kept[sender]).__name__.lower(), sender[:8], self.round, reason)
             self.counters.rejected += 1
         self.rejected.update(rejected)

@@ -283,6 +283,6 @@ def test_a_holder_averaging_its_round_serves_a_joiner_the_next_rounds_state(swar
         waited = time.monotonic() - asked
     finally:
         peer.close()
-    assert impatient["round"] == averaging and answered < 2.5  # (0.8 s, on a loaded machine more)
+    assert impatient["round"] == averaging and answered < 0.8 + MARGIN  # (ignoring `within`: 5 s, the close)
     assert message["round"] == averaging + 1 and message.get("left", 1.0) > 0.5  # (absent: not training yet)
-    assert waited > 2.5  # (the round's deadline: at least its first stage, 2.5 s)
+    assert waited > 2.5  # (the round's close: --wait, 5 s, since this peer's parts never come)

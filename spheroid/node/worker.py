@@ -691,9 +691,9 @@ class BlockWorker:
         whole on it, its first update would come after that round had closed, and it would end that
         round on a state of its own and fetch again. Served after, it gets the state the next round
         starts from, which it trains with this node. It waits at most the round's deadline and a
-        second, within 0.8 of how long the requester waits for its reply (`within`, where it says; this
-        node's own timeout where it does not, or says nonsense); past that it is served the state as
-        it is, and not at all if it has gone meanwhile."""
+        second, and 0.8 of the shorter of the request's `within` (how long the requester waits for
+        the reply; ignored unless a positive number) and this node's own timeout; past that it is
+        served the state as it is, and not at all if it has gone meanwhile."""
         patience = self.node.cfg.timeout
         if msg.within is not None and 0.0 < msg.within < patience:  # (also refuses NaN)
             patience = msg.within

@@ -62,7 +62,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     # the responder may send the change from them to its parameters instead, in that codec (or a
     # finer one), and says so with "since" in its reply; "members" is the group of the round that
     # starts from the state; "left" the share of that round's local steps the responder has still
-    # to train (absent when it is not training)
+    # to train (absent when it is not training); "within", the seconds the requester waits for the
+    # reply at least, bounds how long a responder may hold the request back
     "state_get": {"block": "uint", "since": "str?", "codec": "str?", "within": "float?"},
     "state_reply": {"block": "uint", "round": "uint", "samples": "uint", "hash": "str", "stream": "uint",
                     "config": "map", "since": "str?", "members": "list?", "left": "float?"},
