@@ -73,7 +73,7 @@ COPIES_BYTES = 256 << 20  # and at most this many bytes of them
 HISTORY = 50  # rounds kept in the status
 DONOR_WAIT_S = 3.0  # a reader waits this long for the holder that made its copy to announce a version
 FETCH_RETRY_S = 1.0  # a reader whose fetch of an earlier block failed (its holders busy) tries again after this
-JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer,
+JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer of its block (`_met_a_peer`),
 JOIN_SETTLE_S = 0.5  # then listens this long for versions before it picks a donor
 
 
@@ -465,7 +465,7 @@ class BlockWorker:
         """Train to cfg.train.steps in rounds of `every` local steps, then keep serving the state."""
         if self.fresh or self.earlier:  # hear the holders' versions, and sync, before the first step
             for _ in range(int(JOIN_WAIT_S / 0.1)):
-                if self.node.conns:
+                if self._met_a_peer():
                     break
                 await asyncio.sleep(0.1)
             await asyncio.sleep(JOIN_SETTLE_S)
@@ -504,6 +504,14 @@ class BlockWorker:
             await self.changed.wait()
             self.changed.clear()
             self._adopt_pending()
+
+    def _met_a_peer(self) -> bool:
+        """Whether a peer worth hearing before the first step is connected: for a fresh node, one of
+        its own block, whose version it may start from (a node of another block, met first, says
+        nothing of that: started then, a fresh node trained alone from genesis, all of a short run
+        before its block's other replica had come up); for a node that only reads earlier blocks,
+        any peer."""
+        return any(not self.fresh or self.block in conn.hello.blocks for conn in self.node.conns.values())
 
     @property
     def compression(self) -> str:
