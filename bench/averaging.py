@@ -11,9 +11,15 @@ For each N in --procs it runs N processes twice, on 127.0.0.1, with the same ten
             division by N (the average)
 
 Once every process has started and met its peers, this script names a wall-clock instant;
-every round starts at such an instant in all processes (each waits for it), after two untimed
-warm-up rounds (after one, the first timed round at 8 processes took about three times as long as
-the others, 0.49 to 0.57 s against 0.16, in all three runs of a day). The time of a round is from
+every round starts at such an instant in all processes (each waits for it), after --warmup untimed
+rounds, --warmup-interval apart (the timed ones are --interval apart). The warm-up is what a node
+that has run a while has behind it: a new process's heap grows over its first rounds, while glibc
+settles where each round's buffers go, and every page it grows by faults in once (4 KiB zeroed,
+and on a virtual machine a page the host may have to back). Measured with 8 spheroid processes on
+this 2-core VM: 2,000 to 19,000 such faults per process over the first 15 rounds, one 16 MiB chunk
+(4,097) now and then after 30; about 5 ms of kernel CPU per process per round over 20 rounds after
+two warm-up rounds, as much as the round's Python. Both systems get the same warm-up. (With one
+warm-up round the first timed round at 8 processes took three times the others.) The time of a round is from
 that instant to the last process's end; the table gives the median over --rounds. CPU: each
 process's CPU time (all its threads) spent in the timed rounds' averaging, per round, and its two
 parts, in user space (Python, the arithmetic, hashing) and in the kernel (the sockets' copies,
@@ -29,7 +35,8 @@ down or speeds up over minutes weighs on both alike. Each pair gives a ratio; th
 median and range, and each system's median time and CPU over its K runs. On a shared machine with fewer cores than
 processes the ratio of one pair moves by a tenth or more from run to run: one pair is one sample.
 
-    python bench/averaging.py [--procs 2,4,8] [--params 4194304] [--rounds 5] [--repeats 1] [--out FILE]
+    python bench/averaging.py [--procs 2,4,8] [--params 4194304] [--rounds 5] [--warmup 40] [--repeats 1]
+                              [--out FILE]
 """
 
 from __future__ import annotations
@@ -70,7 +77,6 @@ def loopback_tx_bytes() -> int:
     raise RuntimeError("no loopback interface in /proc/net/dev")
 
 
-WARMUP = 2  # untimed rounds before the timed ones, in both systems
 
 
 def updates(rank: int, count: int, params: int) -> list[torch.Tensor]:
@@ -100,6 +106,11 @@ class CpuTime:
     def per_round(self, rounds: int) -> dict:
         return {"cpu_s_per_round": (self.user + self.sys) / rounds, "user_s_per_round": self.user / rounds,
                 "sys_s_per_round": self.sys / rounds}
+
+
+def round_start(start0: float, r: int, a: argparse.Namespace) -> float:
+    """When round r starts (warm-up rounds are r < 0, the first timed round is 0)."""
+    return start0 + (min(r, 0) + a.warmup) * a.warmup_interval + max(r, 0) * a.interval
 
 
 async def sleep_until(t: float) -> None:
@@ -146,15 +157,15 @@ async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
     try:
         while len([c for c in node.conns.values() if not c.closed]) < a.n - 1:  # the full mesh
             await asyncio.sleep(0.05)
-        deltas = updates(a.rank, WARMUP + a.rounds, a.params)
+        deltas = updates(a.rank, a.warmup + a.rounds, a.params)
         start0 = await asyncio.to_thread(ready_then_start, folder, a.rank)
         genesis = torch.randn(a.params, generator=torch.Generator().manual_seed(0))
         replica = Replica(node.id, SharedState.create(0, 0, genesis, None), AveragingConfig(wait=a.interval),
                           expected=set(node.conns))
         averager = Averager(node, 0, replica, "fp32", "none")
         rounds, sent, cpu = [], 0, CpuTime()
-        for r, delta in zip(range(-WARMUP, a.rounds), deltas, strict=True):  # rounds before 0: the warm-up
-            start = start0 + (r + WARMUP) * a.interval
+        for r, delta in zip(range(-a.warmup, a.rounds), deltas, strict=True):  # rounds before 0: the warm-up
+            start = round_start(start0, r, a)
             await sleep_until(start)
             if r == 0:
                 await averager.flush()
@@ -168,8 +179,8 @@ async def spheroid_member(a: argparse.Namespace, folder: Path) -> dict:
         await averager.flush()
         cpu.stop()
         sent = node.traffic.totals()["sent"]["wire_bytes"] - sent
-        await sleep_until(start0 + (WARMUP + a.rounds) * a.interval)  # the others may still be sending to it
-        return {"rounds": rounds[WARMUP:], "sent_bytes_per_round": sent / a.rounds, **cpu.per_round(a.rounds)}
+        await sleep_until(round_start(start0, a.rounds, a))  # the others may still be sending to it
+        return {"rounds": rounds[a.warmup:], "sent_bytes_per_round": sent / a.rounds, **cpu.per_round(a.rounds)}
     finally:
         await node.stop()
         ident.release()
@@ -181,11 +192,11 @@ def gloo_member(a: argparse.Namespace) -> dict:
     port = int(a.ports.split(",")[0])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=a.rank, world_size=a.n)
     try:
-        deltas = updates(a.rank, WARMUP + a.rounds, a.params)
+        deltas = updates(a.rank, a.warmup + a.rounds, a.params)
         start0 = ready_then_start(a.folder, a.rank)
         rounds, cpu = [], CpuTime()
-        for r, delta in zip(range(-WARMUP, a.rounds), deltas, strict=True):
-            start = start0 + (r + WARMUP) * a.interval
+        for r, delta in zip(range(-a.warmup, a.rounds), deltas, strict=True):
+            start = round_start(start0, r, a)
             x = delta.clone()  # (all_reduce sums into it)
             time.sleep(max(0.0, start - time.time()))
             if r >= 0:
@@ -196,7 +207,7 @@ def gloo_member(a: argparse.Namespace) -> dict:
             if r >= 0:
                 cpu.stop()
         dist.barrier()
-        return {"rounds": rounds[WARMUP:], **cpu.per_round(a.rounds)}
+        return {"rounds": rounds[a.warmup:], **cpu.per_round(a.rounds)}
     finally:
         dist.destroy_process_group()
 
@@ -204,27 +215,27 @@ def gloo_member(a: argparse.Namespace) -> dict:
 # --- one configuration ---------------------------------------------------------------------------
 
 
-def run(kind: str, n: int, params: int, rounds: int, interval: float, setup_s: float) -> dict:
+def run(kind: str, n: int, a: argparse.Namespace) -> dict:
     """N processes of one kind; their per-round times and the loopback bytes of the timed rounds."""
-    ports = free_ports(n)
+    ports, rounds, interval = free_ports(n), a.rounds, a.interval
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for rank in range(n):
             out = Path(tmp) / f"{rank}.json"
             cmd = [sys.executable, __file__, "--member", kind, "--rank", str(rank), "--n", str(n), "--ports",
-                   ",".join(map(str, ports)), "--params", str(params), "--rounds", str(rounds),
-                   "--interval", str(interval), "--member-out", str(out), "--folder", tmp]
+                   ",".join(map(str, ports)), "--params", str(a.params), "--rounds", str(rounds),
+                   "--interval", str(interval), "--warmup", str(a.warmup), "--warmup-interval",
+                   str(a.warmup_interval), "--member-out", str(out), "--folder", tmp]
             procs.append((subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}), out))
         try:
-            start = name_start(Path(tmp), [p for p, _ in procs], setup_s)
-            first = start + WARMUP * interval  # after the warm-up rounds
+            first = round_start(name_start(Path(tmp), [p for p, _ in procs], a.setup_s), 0, a)  # (after the warm-up)
             time.sleep(max(0.0, first - 0.05 - time.time()))
             tx0 = loopback_tx_bytes()
             time.sleep(max(0.0, first + rounds * interval - 0.05 - time.time()))
             tx1 = loopback_tx_bytes()
             results = []
             for proc, out in procs:
-                if proc.wait(timeout=(WARMUP + rounds + 2) * interval + 60) != 0:
+                if proc.wait(timeout=(rounds + 2) * interval + 60) != 0:
                     raise RuntimeError(f"a {kind} process failed (exit {proc.returncode})")
                 results.append(json.loads(out.read_text()))
         finally:
@@ -277,7 +288,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--procs", default="2,4,8", help="process counts, comma-separated")
     parser.add_argument("--params", type=int, default=1 << 22, help="float32 values averaged (default 16 MiB)")
-    parser.add_argument("--rounds", type=int, default=5, help=f"timed rounds (after {WARMUP} warm-up rounds)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (after the warm-up)")
+    parser.add_argument("--warmup", type=int, default=40, help="untimed rounds first, in both systems")
+    parser.add_argument("--warmup-interval", type=float, default=0.5, help="seconds between warm-up round starts")
     parser.add_argument("--repeats", type=int, default=1,
                         help="pairs of runs (gloo, spheroid) per process count, in alternating order (even: "
                              "balanced)")
@@ -300,23 +313,25 @@ def main(argv: list[str] | None = None) -> dict:
         a.member_out.write_text(json.dumps(result))
         return result
 
-    if a.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    if a.repeats < 1 or a.warmup < 0 or a.warmup_interval <= 0:
+        parser.error("need --repeats >= 1, --warmup >= 0 and --warmup-interval > 0")
     rows = []
     for n in [int(x) for x in a.procs.split(",")]:
         for k in range(a.repeats):
             for kind in ("gloo", "spheroid") if k % 2 == 0 else ("spheroid", "gloo"):
                 log.info("%s, %d processes, %d values, %d rounds (pair %d of %d)", kind, n, a.params, a.rounds,
                          k + 1, a.repeats)
-                rows.append({**run(kind, n, a.params, a.rounds, a.interval, a.setup_s), "pair": k})
+                rows.append({**run(kind, n, a), "pair": k})
     tensor_bytes = 4 * a.params
     table = [summary(rows, n, tensor_bytes) for n in sorted({r["procs"] for r in rows})]
     result = {"params": a.params, "tensor_bytes": tensor_bytes, "rounds": a.rounds, "repeats": a.repeats,
+              "warmup": a.warmup, "warmup_interval": a.warmup_interval, "interval": a.interval,
               "table": table, "runs": rows,
               "cpus": os.cpu_count(), "torch": torch.__version__}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
-    print(f"\none averaging round of {tensor_bytes / 2**20:.0f} MiB (float32), median of {a.rounds}; "
+    print(f"\none averaging round of {tensor_bytes / 2**20:.0f} MiB (float32), median of {a.rounds} after "
+          f"{a.warmup} warm-up rounds; "
           f"{a.repeats} pair(s) of runs: times and CPU are each system's median over them, the ratio the median of "
           f"the pairs' ratios [their range]; bytes sent per node on loopback, as a multiple of the tensor; "
           f"cpu: seconds of CPU per node per round (user space + kernel)")

@@ -57,11 +57,14 @@ The state's hash is a hash of hashes: of each leaf of `LEAF` values of the param
 outer momentum), so that a replica need not hash the whole state every round. A cell's owner sends,
 with its average, the digests of the leaves that lie within its cell once the round's outer step is
 applied; a replica hashes only the leaves of its own cells, those that straddle two cells, those
-of missing cells, and one other owner's cell a round, chosen at random, to check that owner's
-digests (where they are wrong it uses its own, so its hash then differs from its peers' and the
-version rule below settles which state the swarm keeps). So hashing costs about 2 / n of the state
-per round, not all of it; an owner could still send its peers different values under the same
-digests, and only the replicas that check its cell would see it.
+of missing cells, and `CHECKED_LEAVES` leaves of the cells it received, picked at random among them
+each round, to check their owners' digests (where a cell's are wrong it hashes the whole cell and
+uses its own digests, so its hash then differs from its peers' and the version rule below settles
+which state the swarm keeps). So hashing costs about 1 / n of the state per round, not all of it;
+an owner could still send its peers different values under the same digests, and only the
+replicas whose sample falls on its cell would see it (an owner that sends one peer a whole cell of
+other values is seen by that peer with a chance of about 1 - (1 - 1 / (n - 1))^CHECKED_LEAVES a
+round: 71% at 8 replicas, where checking one whole cell gave 1 / (n - 1), 14%).
 
 When replicas diverge anyway (a late range, a restart), they announce their `Version` and one rule
 settles which state the swarm keeps: a later round wins, then the state that averaged more samples,
@@ -153,6 +156,7 @@ class Version:
 
 LEAF = 1 << 14  # values per leaf of the state hash (64 KiB of float32)
 DIGEST = 32  # bytes of a leaf's digest (sha256)
+CHECKED_LEAVES = 8  # leaves of received cells a replica hashes itself each round, to check their digests
 
 
 def leaf_range(lo: int, hi: int, n: int) -> range:
@@ -431,7 +435,7 @@ class Replica:
     counters: Counters = field(default_factory=Counters)
     synced: bool = True  # a member of the next group: genesis, or its parts made every range of its last round
     wire: Callable[[torch.Tensor], torch.Tensor] = identity
-    rng: random.Random = field(default_factory=random.Random)  # picks the owner's cell whose digests it checks
+    rng: random.Random = field(default_factory=random.Random)  # picks the received leaves whose digests it checks
 
     def __post_init__(self) -> None:
         self.quiet = QuietLog(log)  # (refusals: a peer may send any number of bad messages)
@@ -920,16 +924,18 @@ class Replica:
 
     def _state_leaves(self, params: torch.Tensor, momentum: torch.Tensor | None) -> list[bytes]:
         """The digests of every leaf of the new state: for the cells that came, those their owners
-        sent (this replica's own as it computed them), but for one other owner's cell, picked at
-        random, which it checks; it hashes the rest itself (leaves across two cells, missing cells)."""
+        sent (this replica's own as it computed them), checked on a random sample of the received
+        cells' leaves (`_checked`); it hashes the rest itself (leaves across two cells, missing cells)."""
         vectors = [params] if momentum is None else [params, momentum]
         known: list[dict[int, bytes]] = [{} for _ in vectors]  # per vector: leaf -> its digest
-        others = sorted(cell for cell, got in self.reduced.items() if got.sender != self.me and got.leaves)
-        checked = others[self.rng.randrange(len(others))] if others else None
+        checked = self._checked()
         for cell, got in self.reduced.items():
             leaves = leaf_range(*cell, self.n_params)
             sent = [got.leaves[k : k + DIGEST] for k in range(0, len(got.leaves), DIGEST)]
-            if cell == checked and (mine := [d for v in vectors for d in leaf_digests(v, leaves)]) != sent:
+            sample = [leaves[k] for k in checked.get(cell, ())]
+            mine = [d for v in vectors for d in leaf_digests(v, sample)]
+            if mine != [sent[side * len(leaves) + i - leaves.start] for side in range(len(vectors)) for i in sample]:
+                mine = [d for v in vectors for d in leaf_digests(v, leaves)]
                 owner = self.layout.owner(self.cell_at[cell][1], self.cell_at[cell][0])
                 self.quiet.log(logging.WARNING, "forged", "cell %d:%d of round %d (its owner %s, from %s): its "
                                "leaf digests are not those of its values; this replica's state hash uses its own",
@@ -943,6 +949,19 @@ class Replica:
             todo = [i for i in range(-(-self.n_params // LEAF)) if i not in digests]
             digests.update(zip(todo, leaf_digests(vector, todo), strict=True))
             out += [digests[i] for i in range(len(digests))]
+        return out
+
+    def _checked(self) -> dict[tuple[int, int], list[int]]:
+        """The leaves whose digests this replica checks this round: CHECKED_LEAVES picked at random
+        among those of the cells it received (from others), as cell -> positions in its leaf range."""
+        cells = sorted(cell for cell, got in self.reduced.items() if got.sender != self.me and got.leaves)
+        sizes = [len(leaf_range(*cell, self.n_params)) for cell in cells]
+        out: dict[tuple[int, int], list[int]] = {}
+        for k in sorted(self.rng.sample(range(sum(sizes)), min(CHECKED_LEAVES, sum(sizes)))):
+            i = 0
+            while k >= sizes[i]:
+                k, i = k - sizes[i], i + 1
+            out.setdefault(cells[i], []).append(k)
         return out
 
     def _norm_outliers(self, parts: dict[str, Part | Reduced], ref_samples: float) -> dict[str, str]:

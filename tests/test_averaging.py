@@ -13,7 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from spheroid import averaging
 from spheroid.averaging import (
+    CHECKED_LEAVES,
     DIGEST,
     LEAF,
     AveragingConfig,
@@ -25,6 +27,7 @@ from spheroid.averaging import (
     SharedState,
     Version,
     group_digest,
+    leaf_digests,
     leaf_range,
     state_hash,
 )
@@ -149,26 +152,49 @@ def test_the_state_hash_is_built_from_the_leaf_digests_the_owners_send(n, flat, 
     assert not any(r.counters.rejected or r.counters.forged for r in group)
 
 
-def test_forged_leaf_digests_are_caught_by_the_replicas_that_check_that_cell():
-    group = replicas(4, p=PH)
+@pytest.mark.parametrize("forge", ["cell", "leaf"])
+def test_forged_leaf_digests_are_caught_by_the_replicas_whose_sample_falls_on_them(forge, monkeypatch):
+    """An owner sends its cell's average right, with digests of other values: of every leaf, or of
+    one. A replica whose random sample of received leaves falls on a forged digest hashes the cell
+    itself; one whose sample misses it takes the forged digests (and its hash is then not that of
+    its values)."""
+    n = 8
+    group = replicas(n, p=PH)
     forger = group[1]
     finish = forger._finish_cell
 
-    def forged(mine):  # sends its cell's average right, with digests of other values
+    def forged(mine):
         finish(mine)
-        mine.leaves = bytes(len(mine.leaves))
+        mine.leaves = bytes(len(mine.leaves)) if forge == "cell" else bytes(DIGEST) + mine.leaves[DIGEST:]
 
     forger._finish_cell = forged
     for seed, r in enumerate(group):
         r.rng = random.Random(4 + seed)
-    exchange(group, [torch.randn(PH) * 0.01 for _ in group], [8] * 4)
-    closed = {r.me: r.close() for r in group}
+    exchange(group, [torch.randn(PH) * 0.01 for _ in group], [8] * n)
+    hashed, closed, columns = [], {}, group[0].layout.columns
+
+    def counted(values, leaves):
+        hashed[-1] += len(leaves)
+        return leaf_digests(values, leaves)
+
+    monkeypatch.setattr(averaging, "leaf_digests", counted)
+    for r in group:
+        hashed.append(0)
+        closed[r.me] = r.close()
+    monkeypatch.undo()
     assert len({c.state.params.sum().item() for c in closed.values()}) == 1  # the same values everywhere
     true = state_hash(closed[forger.me].state.params)
     caught = [r.me for r in group if r.counters.forged]
-    assert caught and len(caught) < 3  # (these seeds: some receivers checked its cell, some did not)
+    # (these seeds: some replicas' samples fell on the forged digests, some did not)
+    assert 0 < len(caught) < n - 1 and forger.me not in caught
     for r in group:
         assert (closed[r.me].state.version.hash == true) == (r is forger or r.me in caught)
+    # a replica hashes its own cell's leaves (in `_finish_cell`, not here), the leaves across
+    # cells and CHECKED_LEAVES of the others', and one that caught a forgery the whole forged cell
+    cell_leaves = len(leaf_range(*columns[1], PH))
+    across = -(-PH // LEAF) - sum(len(leaf_range(lo, hi, PH)) for lo, hi in columns)
+    for r, count in zip(group, hashed, strict=True):
+        assert count == across + CHECKED_LEAVES + (cell_leaves if r.me in caught else 0)
 
 
 def test_a_cell_without_its_leaf_digests_is_refused():

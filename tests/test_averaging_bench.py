@@ -18,12 +18,13 @@ from averaging import summary  # noqa: E402
 def test_averaging_bench_runs_both_systems_and_a_butterfly_round_sends_two_vectors(tmp_path):
     out = tmp_path / "averaging.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "averaging.py"), "--procs", "3", "--params", "30000",
-                           "--rounds", "2", "--interval", "1.5", "--out", str(out)],
+                           "--rounds", "2", "--interval", "1.5", "--warmup", "3", "--warmup-interval", "0.5",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     [row] = result["table"]
-    assert row["procs"] == 3 and row["agree"] and row["complete"]
+    assert row["procs"] == 3 and row["agree"] and row["complete"] and result["warmup"] == 3
     assert row["gloo_round_s"] > 0 and row["spheroid_round_s"] > 0
     ours = next(r for r in result["runs"] if r["system"] == "spheroid")
     # 2 (n - 1) / n of the tensor, plus framing and the odd ping: by the nodes' own counters
