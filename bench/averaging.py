@@ -16,7 +16,7 @@ rounds, --warmup-interval apart (the timed ones are --interval apart). The warm-
 that has run a while has behind it: a new process's heap grows over its first rounds, while glibc
 settles where each round's buffers go, and every page it grows by faults in once (4 KiB zeroed,
 and on a virtual machine a page the host may have to back). Measured with 8 spheroid processes on
-this 2-core VM: 2,000 to 19,000 such faults per process over the first 15 rounds, one 16 MiB chunk
+this 2-core VM: up to 19,000 such faults per process over the first 15 rounds, one 16 MiB chunk
 (4,097) now and then after 30; about 5 ms of kernel CPU per process per round over 20 rounds after
 two warm-up rounds, as much as the round's Python. Both systems get the same warm-up. (With one
 warm-up round the first timed round at 8 processes took three times the others.) The time of a round is from
