@@ -19,8 +19,8 @@ and on a virtual machine a page the host may have to back). Measured with 8 sphe
 this 2-core VM: up to 19,000 such faults per process over the first 15 rounds, one 16 MiB chunk
 (4,097) now and then after 30; about 5 ms of kernel CPU per process per round over 20 rounds after
 two warm-up rounds, as much as the round's Python. Both systems get the same warm-up. (With one
-warm-up round the first timed round at 8 processes took three times the others.) The time of a round is from
-that instant to the last process's end; the table gives the median over --rounds. CPU: each
+warm-up round the first timed round at 8 processes took three times the others.) The time of a
+round is from that instant to the last process's end; the table gives the median over --rounds. CPU: each
 process's CPU time (all its threads) spent in the timed rounds' averaging, per round, and its two
 parts, in user space (Python, the arithmetic, hashing) and in the kernel (the sockets' copies,
 system calls): on a machine with fewer cores than processes it is what the round's time is made of.
@@ -75,8 +75,6 @@ def loopback_tx_bytes() -> int:
         if name.strip() == "lo":
             return int(counters.split()[8])  # receive has 8 fields, then transmit bytes
     raise RuntimeError("no loopback interface in /proc/net/dev")
-
-
 
 
 def updates(rank: int, count: int, params: int) -> list[torch.Tensor]:
