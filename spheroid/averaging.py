@@ -463,6 +463,7 @@ class Replica:
         # average comes in (while it is in the cache), the others' at the close (from submit on)
         self.next_params: torch.Tensor | None = None
         self.next_momentum: torch.Tensor | None = None
+        self.lent: set[tuple[int, int]] = set()  # cells whose average is read straight into next_params (`place`)
         self.outbox: list[Outgoing] = []  # cells received to pass on to this replica's row
         self.sent_cells: dict[tuple[int, int], Reduced] = {}  # cells it sent or passed on, as sent
         self.senders: set[str] = set()  # who sent it parts this round, in time or not
@@ -550,6 +551,25 @@ class Replica:
                        type(message).__name__.lower(), message.sender[:8], message.round, reason)
         return reason
 
+    def place(self, sender: str, round_: int, base: str, lo: int, hi: int) -> torch.Tensor | None:
+        """Where the average of cell lo:hi, coming from `sender`, may be read as it arrives: its place in
+        the next state's parameters, if it is a cell this replica waits for from its owner this round
+        (in one level, where no cell is passed on); None otherwise (it gets memory of its own).
+
+        The outer step then adds the base to it in place (the values are read once, and no vector of
+        the average is written), and the message's `delta` is the new values once it is taken. A cell
+        read there but refused leaves garbage that the close overwrites with the base, as for any cell
+        missing; one still arriving at the close gets the old memory to itself (`close`). The caller
+        (the session) gives each place to one frame: a cell is lent once a round."""
+        cell = lo, hi
+        at = self.cell_at.get(cell)
+        if (at is None or self.layout.two_level or self.ready_at is None or round_ != self.round
+                or base != self.state.version.hash or cell in self.reduced or cell in self.lent
+                or sender == self.me or sender != self.layout.owner(at[1], at[0])):
+            return None
+        self.lent.add(cell)
+        return self.next_params[lo:hi]
+
     def _hold(self, m: Part | Reduced, now: float | None) -> str:
         """Keep a message for later (with when it came), a few per sender: a round's messages from one
         peer are its parts, a row's average, and the cells of one column."""
@@ -595,7 +615,7 @@ class Replica:
             self.sent_cells[cell] = m
         if direct and self.layout.two_level and self.cfg.lossy:  # decoded once more, as relayed ones are
             m = replace(m, delta=self.wire(m.delta))
-        self.reduced[cell] = m
+        self.reduced[cell] = m  # (its delta is not used again: read in place, it becomes the new values)
         self._step(m.delta, *cell)
 
     def _check(self, m: Part | Reduced) -> str | None:
@@ -886,6 +906,8 @@ class Replica:
                     sent[c] = self._sent(c)
                 start = self.layout.columns[c][0]
                 carry[lo:hi] = self.own[lo:hi] - sent[c][lo - start:hi - start]
+        if any(cell not in self.reduced for cell in self.lent):  # (its frame may still be arriving: it keeps
+            params = params.clone()                               # the memory it was lent to itself)
         not_in = tuple(cell for _, _, cell in self.layout.all_cells() if cell not in self.reduced)
         self.counters.missing += len(not_in)
         share: dict[str, int] = {}

@@ -533,6 +533,55 @@ def test_bad_parts_and_ranges_are_refused_and_counted(bad, reason, kind):
     assert me.counters.rejected == 1 and peer.me not in me.parts and peer.me not in me.reduced
 
 
+def test_a_cell_is_lent_into_the_next_state_once_and_only_to_its_owner():
+    """`place` gives the memory of a cell's values in the next state to the frame bringing that cell
+    from its owner, once a round; anything else gets memory of its own."""
+    me, peer, third = replicas(3)
+    lo, hi = flat_range([me.me, peer.me, third.me], peer.me)
+    base = me.state.version.hash
+    assert me.place(peer.me, 0, base, lo, hi) is None  # before submit: no next state yet
+    me.submit(torch.zeros(P), 8, now=0.0)
+    assert me.place(third.me, 0, base, lo, hi) is None  # not the cell's owner
+    assert me.place(peer.me, 1, base, lo, hi) is None and me.place(peer.me, 0, "other", lo, hi) is None
+    assert me.place(peer.me, 0, base, lo, hi - 1) is None  # not a cell
+    assert me.place(me.me, 0, base, *flat_range(me.group, me.me)) is None  # its own: averaged here
+    into = me.place(peer.me, 0, base, lo, hi)
+    assert into.data_ptr() == me.next_params[lo:].data_ptr() and into.numel() == hi - lo
+    assert me.place(peer.me, 0, base, lo, hi) is None  # lent once
+
+
+def test_in_two_levels_no_cell_is_lent():
+    """A column owner passes cells on as received: their values must stay the average's."""
+    group = replicas(20, AveragingConfig(wait=1.0, flat=4), p=PL)
+    me = group[0]
+    me.submit(torch.zeros(PL), 8, now=0.0)
+    assert me.layout.two_level
+    assert all(me.place(me.layout.owner(r, c), 0, me.state.version.hash, *cell) is None
+               for c, r, cell in me.layout.all_cells())
+
+
+@pytest.mark.parametrize("fate", ["still arriving", "refused"])
+def test_a_lent_cell_that_is_not_taken_leaves_the_base_and_the_state_its_own_memory(fate):
+    """A cell lent to a frame that has not arrived by the close (or was refused: NaN) keeps the base
+    values, and whatever the frame still writes into the memory it was lent does not reach the new
+    state."""
+    me, peer = replicas(2)
+    base_values, base = me.state.params.clone(), me.state.version.hash
+    me.submit(torch.zeros(P), 8, now=0.0)
+    lo, hi = flat_range(me.group, peer.me)
+    into = me.place(peer.me, 0, base, lo, hi)
+    into.fill_(float("nan"))  # (the frame's bytes, as they come)
+    if fate == "refused":
+        message = Reduced(peer.me, 0, base, lo, hi, Contributors.of(me.group, [me.me, peer.me]), 16, into,
+                          leaves=b"")
+        assert "NaN" in me.offer(message)
+    me.due(me.cfg.wait / 2)  # (its own cell: averaged alone)
+    closed = me.close()
+    into.fill_(7.0)  # (the rest of a frame still arriving)
+    assert torch.equal(closed.state.params[lo:hi], base_values[lo:hi]) and closed.missing == ((lo, hi),)
+    assert closed.state.version.hash == averaging.state_hash(closed.state.params)
+
+
 def test_contributors_travel_as_a_bitmap_over_the_group():
     group = [f"{i:032x}" for i in range(20)]
     joiner = "f" * 32

@@ -232,3 +232,38 @@ def test_an_inline_tensor_read_into_place_counts_among_the_frames_in_flight():
     assert frames.held > 0
     a.clear()
     assert frames.held == 0
+
+
+def test_an_inline_tensor_goes_where_the_receiver_lends_it_memory():
+    """A receiver's `lend` sees the frame's other fields before its data and may name memory of its
+    own for the tensor (a node: an averaged range's place in its next state): the data is read
+    there, outside the frames in flight; whatever it declines gets a tensor of its own."""
+    import torch
+
+    from spheroid.wire.codec import Budget
+
+    target, asked = torch.zeros(1 << 18), []
+
+    def lend(peer: str, fields: dict, dtype: str, nbytes: int) -> memoryview | None:
+        asked.append((peer, fields["t"], fields["lo"], dtype, nbytes))
+        return memoryview(target.numpy()).cast("B") if fields["lo"] == 0 else None
+
+    d = Session(me(), dialler=True, swarm="s", secret=None)
+    a = Session(me(), dialler=False, swarm="s", secret=None, frames=(frames := Budget(8 << 20)), lend=lend)
+    a.receive_data(d.data_to_send())
+    d.receive_data(a.data_to_send())
+    delta = torch.randn(1 << 18)  # 1 MiB
+    message = Update(block=0, round=1, base="ab" * 32, samples=8, lo=0, hi=1 << 18, age=0.0, tensor=delta)
+
+    def halves(message: Update) -> tuple[torch.Tensor, int]:  # (as a socket delivers a large frame: in pieces)
+        data = d.send(message)
+        assert a.receive_data(data[: len(data) // 2]) == []
+        held = frames.held  # (mid-frame)
+        [got] = [e.message for e in a.receive_data(data[len(data) // 2 :])]
+        return got.tensor, held
+
+    got, held = halves(message)
+    assert torch.equal(target, delta) and got.data_ptr() == target.data_ptr() and held == 0
+    other, held = halves(message.replace(lo=1, hi=(1 << 18) + 1))
+    assert torch.equal(other, delta) and other.data_ptr() != target.data_ptr() and held == 1 << 20
+    assert asked == [(d.me["node"], "update", 0, "float32", 1 << 20), (d.me["node"], "update", 1, "float32", 1 << 20)]

@@ -34,6 +34,7 @@ class Averager:
         self.changed = changed or asyncio.Event()  # set whenever something arrives that may end a wait
         self.sends: list[asyncio.Task] = []
         node.handlers.update(update=self.on_update, reduced=self.on_reduced)
+        node.lenders["reduced"] = self.place
         node.keep.append(replica.partners)
 
     async def round(self, delta: torch.Tensor, samples: int, interrupt: Callable[[], bool] = lambda: False
@@ -92,6 +93,16 @@ class Averager:
         with contextlib.suppress(PeerGone):
             await conn.send_tensor(what.delta if encoded is None else encoded, self.codec, self.compression,
                                    then=message)
+
+    def place(self, peer: str, fields: dict, dtype: str, nbytes: int) -> torch.Tensor | None:
+        """Where an averaged cell's values are read as they arrive (`Replica.place`). `fields` are
+        the frame's, not yet checked: anything unexpected gets memory of its own, and is checked as
+        usual once it is in."""
+        block, round_, base, lo, hi = (fields.get(k) for k in ("block", "round", "base", "lo", "hi"))
+        if (dtype != "float32" or any(type(v) is not int for v in (block, round_, lo, hi)) or type(base) is not str
+                or block != self.block or nbytes != 4 * (hi - lo)):
+            return None
+        return self.replica.place(peer, round_, base, lo, hi)
 
     async def on_update(self, conn: Connection, msg: messages.Message) -> None:
         if msg.block != self.block:

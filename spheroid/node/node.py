@@ -30,6 +30,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from ..checkpoint import atomic_write
 from ..config import NodeConfig, parse_addr
 from ..progress import QuietLog
@@ -50,7 +52,8 @@ from ..wire.messages import (
     StatusReply,
     validate_peer,
 )
-from ..wire.session import Session, is_node_id
+from ..wire.session import Lender, Session, is_node_id
+from ..wire.tensors import DTYPE_NAMES, as_view
 from .accounting import Traffic
 from .connection import STALLED_TIMEOUTS, Connection, PeerGone, dial, listen
 from .identity import Identity
@@ -110,9 +113,9 @@ def backoff(base: float, times: int) -> float:
 
 
 def open_session(me: dict, cfg: NodeConfig, secret: bytes | None, dialler: bool, budget: Budget | int,
-                 frames: Budget | None = None) -> Session:
+                 frames: Budget | None = None, lend: Lender | None = None) -> Session:
     """The session of one connection, as this node (or client) speaks it."""
-    return Session(me, dialler=dialler, swarm=cfg.swarm, secret=secret, budget=budget, frames=frames)
+    return Session(me, dialler=dialler, swarm=cfg.swarm, secret=secret, budget=budget, frames=frames, lend=lend)
 
 
 def ssl_contexts(cfg: NodeConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
@@ -172,6 +175,9 @@ class Node:
         self.handlers: dict[str, Callable[[Connection, Message], Awaitable[None]]] = {  # by message type
             "ping": self._on_ping, "pong": self._on_pong, "peers": self._on_peers, "status": self._on_status,
             "probe": self._on_probe, "bye": self._on_bye, "error": self._on_error}
+        # by message type: (peer, the message's fields but its inline tensor, that tensor's dtype and
+        # bytes) -> a tensor of this node's own to read the inline tensor straight into, or None
+        self.lenders: dict[str, Callable[[str, dict, str, int], torch.Tensor | None]] = {}
         self.peer_hooks: list[Callable[[Connection], Awaitable[None]]] = []  # run when a peer registers
         self.status_parts: dict[str, Callable[[], dict]] = {}  # extra sections of status()
         self.line_parts: list[Callable[[], str]] = []  # extra fields of the status line
@@ -268,7 +274,18 @@ class Node:
     def _session(self, dialler: bool) -> Session:
         me = {"node": self.id, "addr": self.cfg.address, "role": self.cfg.role, "blocks": list(self.cfg.blocks),
               "serves": list(self.cfg.serves), "model": self.serving_model, "boot": self.boot}
-        return open_session(me, self.cfg, self.secret, dialler, self.budget, self.frames)
+        return open_session(me, self.cfg, self.secret, dialler, self.budget, self.frames, self._lend)
+
+    def _lend(self, peer: str, fields: dict, dtype: str, nbytes: int) -> memoryview | None:
+        """Where a message's inline tensor is read as it arrives, if a component has a place for it
+        (the session's `Lender`)."""
+        lender = self.lenders.get(fields["t"])
+        into = lender(peer, fields, dtype, nbytes) if lender is not None else None
+        if into is None:
+            return None
+        if DTYPE_NAMES[into.dtype] != dtype or into.numel() * into.element_size() != nbytes:
+            raise ValueError(f"a place for a {fields['t']} message's tensor must be {nbytes} bytes of {dtype}")
+        return as_view(into)
 
     async def dial(self, addr: str) -> Connection | None:
         """Connect to addr and run the handshake; None (and a log line) if that fails."""

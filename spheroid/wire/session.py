@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -84,6 +85,9 @@ class Refused:
 
 
 Event = Opened | Arrived | Frame | Refused
+# (the peer's node id, a frame's fields but its inline tensor, that tensor's dtype and bytes) -> memory
+# of the receiver's own to read the tensor straight into, or None: a tensor of its own
+Lender = Callable[[str, dict, str, int], memoryview | None]
 
 
 def is_node_id(value: object) -> bool:
@@ -112,11 +116,14 @@ def check_uints(hello: dict, name: str) -> None:
 
 class Session:
     """One connection's conversation. `me`: this side's hello fields (node, addr, role, blocks, boot,
-    and optionally serves and model); `dialler`: whether this side opened the connection."""
+    and optionally serves and model); `dialler`: whether this side opened the connection; `lend`:
+    where an inline tensor may be read into, once the handshake is done (an averaged range into its
+    place in the next state: the receiver's memory, that the frame's bytes overwrite as they come)."""
 
     def __init__(self, me: dict, *, dialler: bool, swarm: str, secret: bytes | None,
-                 budget: int | Budget = 1 << 30, frames: Budget | None = None) -> None:
+                 budget: int | Budget = 1 << 30, frames: Budget | None = None, lend: Lender | None = None) -> None:
         self.dialler = dialler
+        self.lend = lend
         self.swarm = swarm
         self.secret = secret
         self.me = me
@@ -292,6 +299,8 @@ class Session:
         its place in its stream's tensor, a message's inline tensor into a tensor of its own (handed
         over with the message). None: anywhere else (the frame is then decoded as usual)."""
         if self.state is State.OPEN and INLINE.get(msg.get("t")) == key and type(dtype) is str and dtype in DTYPES:
+            if self.lend is not None and (lent := self.lend(self.peer.node, msg, dtype, nbytes)) is not None:
+                return lent  # (the receiver's memory: not counted in the frames in flight)
             if self.frames is not None and not self.frames.reserve(nbytes):
                 return None  # (the process's frames in flight are at their limit)
             self._placing = nbytes  # (within a frame: at most max_frame)
