@@ -77,6 +77,7 @@ the same code runs inside a node and inside a deterministic simulation (tests/te
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import logging
 import math
@@ -521,6 +522,8 @@ class Replica:
                 self.parts[c][self.me] = replace(part, delta=self.wire(delta[lo:hi].contiguous()))
             else:
                 out.append(Outgoing(part, (self.layout.owner(self.row, c),)))
+        order = self._after_me([o.to[0] for o in out])
+        out.sort(key=lambda o: order.index(o.to[0]))
         held, self.held = self.held, {}
         for message, at in held.values():
             self.offer(message, at)
@@ -763,7 +766,7 @@ class Replica:
         if not self.layout.two_level:
             mine = Reduced(self.me, self.round, base, lo, hi, who, total, average)
             self._finish_cell(mine)
-            return [Outgoing(mine, tuple(self._row_targets()))]
+            return [Outgoing(mine, tuple(self._after_me(self._row_targets())))]
         out = []
         feedback = self.cfg.feedback and self.cfg.lossy
         if feedback and self.owed_rows is None:
@@ -795,7 +798,7 @@ class Replica:
         # a row whose average did not come has lost its column owner, who would pass this cell on:
         # its members get it from here
         orphans = {m for r in range(len(rows)) if self.layout.owner(r, c) not in kept for m in rows[r]}
-        return Outgoing(mine, tuple(sorted((column | orphans | set(self._row_targets())) - {self.me})))
+        return Outgoing(mine, tuple(self._after_me((column | orphans | set(self._row_targets())) - {self.me})))
 
     def _finish_cell(self, mine: Reduced) -> None:
         """A cell's average, computed here: keep it as the replicas will decode it, with the digests of
@@ -824,6 +827,14 @@ class Replica:
         if feedback:
             torch.sub(average, decoded, out=self.owed[lo:hi])
         return decoded
+
+    def _after_me(self, names: Iterable[str]) -> list[str]:
+        """`names` in the order this replica sends to them: sorted, starting after its own name, so
+        that members send to different peers first (as a ring does) rather than all to the same
+        one, whose reads would then pace everyone's first sends."""
+        ordered = sorted(names)
+        first = bisect.bisect_right(ordered, self.me)
+        return ordered[first:] + ordered[:first]
 
     def _row_targets(self) -> list[str]:
         """Who gets the cells this replica sends or passes on: its row, and the others whose parts

@@ -98,9 +98,10 @@ class Averager:
         """Where an averaged cell's values are read as they arrive (`Replica.place`). `fields` are
         the frame's, not yet checked: anything unexpected gets memory of its own, and is checked as
         usual once it is in."""
-        block, round_, base, lo, hi = (fields.get(k) for k in ("block", "round", "base", "lo", "hi"))
-        if (dtype != "float32" or any(type(v) is not int for v in (block, round_, lo, hi)) or type(base) is not str
-                or block != self.block or nbytes != 4 * (hi - lo)):
+        block, round_, base, lo, hi = fields.get("block"), fields.get("round"), fields.get("base"), fields.get("lo"), \
+            fields.get("hi")
+        if (dtype != "float32" or type(block) is not int or type(round_) is not int or type(lo) is not int
+                or type(hi) is not int or type(base) is not str or block != self.block or nbytes != 4 * (hi - lo)):
             return None
         return self.replica.place(peer, round_, base, lo, hi)
 
