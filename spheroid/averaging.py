@@ -522,8 +522,8 @@ class Replica:
                 self.parts[c][self.me] = replace(part, delta=self.wire(delta[lo:hi].contiguous()))
             else:
                 out.append(Outgoing(part, (self.layout.owner(self.row, c),)))
-        order = self._after_me([o.to[0] for o in out])
-        out.sort(key=lambda o: order.index(o.to[0]))
+        order = {name: k for k, name in enumerate(self._after_me(o.to[0] for o in out))}
+        out.sort(key=lambda o: order[o.to[0]])
         held, self.held = self.held, {}
         for message, at in held.values():
             self.offer(message, at)

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import pytest
 import torch
 
 from spheroid.averaging import AveragingConfig, Replica, SharedState, state_hash
@@ -14,10 +15,14 @@ from spheroid.node.node import Node
 N_PARAMS = 3 * 40_000  # each member's cell (40,000 float32) travels in its message
 
 
-def test_averaged_cells_are_read_into_the_next_state_and_every_replica_agrees(tmp_path):
+@pytest.mark.parametrize("outer", ["average", "nesterov"])
+def test_averaged_cells_are_read_into_the_next_state_and_every_replica_agrees(tmp_path, outer):
     """Three nodes average one round. Each cell from its owner is read straight into the receiver's
-    next parameters (the memory `Replica.place` lends), and the result is the exact average added
-    to the base, the same on every replica."""
+    next parameters (the memory `Replica.place` lends), and the outer step applied there gives the
+    exact result (plain: the base plus the average; Nesterov from zero momentum: the base plus
+    lr (1 + mu) times the average), the same on every replica."""
+    averaging = AveragingConfig(wait=20.0, outer=outer)
+    momentum = torch.zeros(N_PARAMS) if outer == "nesterov" else None
     genesis = torch.randn(N_PARAMS, generator=torch.Generator().manual_seed(0))
     deltas = [torch.randn(N_PARAMS, generator=torch.Generator().manual_seed(1 + i)) * 0.01 for i in range(3)]
 
@@ -36,8 +41,8 @@ def test_averaged_cells_are_read_into_the_next_state_and_every_replica_agrees(tm
                     await asyncio.sleep(0.05)
             averagers, lent = [], [{} for _ in nodes]
             for node, log in zip(nodes, lent, strict=True):
-                replica = Replica(node.id, SharedState.create(0, 0, genesis.clone(), None),
-                                  AveragingConfig(wait=20.0), expected=set(node.conns))
+                replica = Replica(node.id, SharedState.create(0, 0, genesis.clone(), momentum), averaging,
+                                  expected=set(node.conns))
                 place = replica.place
 
                 def recorded(sender, round_, base, lo, hi, place=place, log=log):
@@ -55,11 +60,13 @@ def test_averaged_cells_are_read_into_the_next_state_and_every_replica_agrees(tm
                 await node.stop()
 
     closed, lent = asyncio.run(scenario())
-    expected = genesis + sum(deltas) / 3
+    average = sum(deltas) / 3
+    step = 1.0 if outer == "average" else averaging.outer_lr * (1 + averaging.outer_momentum)
+    expected = genesis + step * average
     for c, log in zip(closed, lent, strict=True):
         assert len(c.contributors) == 3 and not c.missing
         assert torch.allclose(c.state.params, expected, atol=1e-6)
-        assert c.state.version.hash == state_hash(c.state.params)
+        assert c.state.version.hash == state_hash(c.state.params, c.state.momentum)
         # the two cells owned by the others went into place: they are this state's own memory
         assert len(log) == 2
         for (lo, _), ptr in log.items():

@@ -385,6 +385,26 @@ def test_a_node_sends_two_vectors_per_round_whatever_the_number_of_replicas():
         assert all(total == 2 * (n - 1) * P // n for total in sent.values())
 
 
+def test_members_send_to_the_peers_after_them_first_as_a_ring_does():
+    """Each member sends its parts, then its cell, starting with the member after it: the k-th sends
+    of all members go to k different peers, not all to the same one (whose reads would pace them)."""
+    group = replicas(8)
+    by_name = {r.me: r for r in group}
+    names = sorted(by_name)
+    sends = {r.me: r.submit(torch.randn(P), 8, now=0.0) for r in group}
+    for me, parts in sends.items():
+        i = names.index(me)
+        assert [o.to[0] for o in parts] == [names[(i + k) % 8] for k in range(1, 8)]
+        for out in parts:
+            by_name[out.to[0]].offer(out.message)
+    for k in range(7):
+        assert len({parts[k].to[0] for parts in sends.values()}) == 8
+    for r in group:
+        [out] = r.due(now=0.0)
+        i = names.index(r.me)
+        assert list(out.to) == [names[(i + k) % 8] for k in range(1, 8)]
+
+
 def test_a_missing_range_is_not_averaged_and_each_replica_carries_its_own_part():
     group = replicas(3)
     base = group[0].state.params.clone()

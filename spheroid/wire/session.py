@@ -7,7 +7,7 @@ the events that come back. The session runs the handshake (hellos, then proofs w
 refuses anything else before it is done, checks every message it sends against the schema,
 reassembles tensor streams within a budget shared by the whole process, and hands each message
 that names streams over with their tensors attached (a message that carries its tensor inline has
-it read straight into a tensor of its own).
+it read straight into a tensor of its own, or into memory the receiver lends for it: `Lender`).
 
 The handshake of version 2 (proto/PROTOCOL.md, section 6) binds each side's proof to the exact
 bytes of both hellos (so both nonces and both node ids), to the side that makes it (dialler or
