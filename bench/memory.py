@@ -71,20 +71,6 @@ def resident_mb() -> float:
     raise RuntimeError("no VmRSS in /proc/self/status: this benchmark reads Linux's process accounting")
 
 
-def kept_for_backward(compute) -> tuple[torch.Tensor, int]:
-    """Run `compute()` and count the bytes of the tensors autograd saves for backward, each storage once."""
-    kept: list[torch.Tensor] = []  # held until counted, so no storage's address is reused meanwhile
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        kept.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = compute()
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
-    return out, sum(storages.values())
-
-
 def measure(kind: str | int, cfg: RunConfig, data_dir: str | None) -> dict:
     """One trainer ("reference" or a block's index), in this process: the real training loop for
     cfg.train.steps, then one step taken apart."""
@@ -108,7 +94,7 @@ def measure(kind: str | int, cfg: RunConfig, data_dir: str | None) -> dict:
     opt = train.make_optimizer(model, cfg)
     windows = random_windows(data, cfg.train.batch, cfg.model.context + 1, gen)
     train.train_step(model, loss_fn, opt, windows, gen, cfg.train.grad_clip)  # AdamW state exists from here
-    (loss, _), activations = kept_for_backward(lambda: loss_fn(windows, gen))
+    (loss, _), activations = train.kept_for_backward(lambda: loss_fn(windows, gen))
     loss.backward()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     moments = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()

@@ -33,6 +33,7 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wan import LinkSpec, Network  # noqa: E402
 
-from spheroid.config import parse_addr  # noqa: E402
+from spheroid.config import REFERENCE_PART, parse_addr  # noqa: E402
 from spheroid.data import fixed_windows, load_bytes  # noqa: E402
 from spheroid.launch import LocalSwarm, free_ports, status_line  # noqa: E402
 from spheroid.train import evaluate_chain  # noqa: E402
@@ -88,42 +89,53 @@ def node_flags(preset_flags: list[str], flags: list[str]) -> list[str]:
 
 def run_config(name: str, flags: list[str], p: dict, spec: LinkSpec, work: Path, data: str | None) -> dict:
     """One swarm run behind the emulator: snapshots of (time, bytes, steps, assembled model)."""
-    folder = work / name
+    run_flags = [*node_flags(p["flags"], flags), "--n-blocks", str(p["blocks"]), "--threads", "1"]
+    parts = [block for block in range(p["blocks"]) for _ in range(p["replicas"])]
+    return {"config": name, "flags": flags, **run_swarm(work / name, run_flags, parts, spec, p["snapshot_s"], data)}
+
+
+def run_swarm(folder: Path, run_flags: list[str], parts: list[int], spec: LinkSpec, snapshot_s: float,
+              data: str | None) -> dict:
+    """Nodes with `run_flags` training `parts` (one node per entry: a block, or REFERENCE_PART), every
+    node behind its own link, until all are done; every `snapshot_s` seconds the swarm is assembled
+    (directly, not through the links) and the bytes the nodes sent each other and the FLOPs they
+    trained so far are recorded beside it."""
     shutil.rmtree(folder, ignore_errors=True)
     snapshots = []
     started = time.monotonic()
-    run_flags = [*node_flags(p["flags"], flags), "--n-blocks", str(p["blocks"]), "--threads", "1"]
     with Network() as net, LocalSwarm(folder / "nodes", data, run_flags) as local:
-        seed = None
-        ports = iter(free_ports(2 * p["blocks"] * p["replicas"]))  # chosen at once: no two alike
-        for block in range(p["blocks"]):
-            for r in range(p["replicas"]):
-                listen = f"127.0.0.1:{next(ports)}"
-                link_port = next(ports)
-                net.add(("127.0.0.1", link_port), parse_addr(listen), spec)
-                member = local.add(f"b{block}-{chr(97 + r)}", block, listen=listen,
-                                   announce=f"127.0.0.1:{link_port}", seeds=[seed.addr] if seed else [])
-                seed = seed or member
+        seed, counts = None, Counter()
+        ports = iter(free_ports(2 * len(parts)))  # chosen at once: no two alike
+        for part in parts:
+            listen, link_port = f"127.0.0.1:{next(ports)}", next(ports)
+            net.add(("127.0.0.1", link_port), parse_addr(listen), spec)
+            prefix = "ref" if part == REFERENCE_PART else f"b{part}"
+            member = local.add(f"{prefix}-{chr(97 + counts[part])}", part, listen=listen,
+                               announce=f"127.0.0.1:{link_port}", seeds=[seed.addr] if seed else [])
+            counts[part] += 1
+            seed = seed or member
         done = False
         while not done:
-            time.sleep(p["snapshot_s"])
+            time.sleep(snapshot_s)
             members = local.poll()
             done = all(m.status.get("training", {}).get("done") for m in members)
             out = folder / "snapshots" / f"{len(snapshots):03d}"
             try:
                 local.assemble(out)
             except Exception as exc:  # noqa: BLE001 - a block not reachable yet: no snapshot this time
-                log.info("%s: no snapshot at %.0fs: %s", name, time.monotonic() - started, exc)
+                log.info("%s: no snapshot yet at %.0fs (%s); the next in %.0fs", folder.name,
+                         time.monotonic() - started, exc, snapshot_s)
                 continue
-            steps = [m.status["training"]["step"] for m in members if m.status.get("training")]
+            trained = [m.status["training"] for m in members if m.status.get("training")]
             snapshots.append({"wall_s": time.monotonic() - started, "bytes": swarm_bytes(members),
-                              "mean_step": sum(steps) / max(len(steps), 1), "folder": str(out)})
+                              "mean_step": sum(t["step"] for t in trained) / max(len(trained), 1),
+                              "flops": sum(t.get("train_flops", 0.0) for t in trained), "folder": str(out)})
             for m in members:
-                log.info("%s %s", name, status_line(m))
+                log.info("%s %s", folder.name, status_line(m))
         final = {m.name: {"training": m.status["training"], "swarm_traffic": m.status["swarm_traffic"]}
                  for m in members}
         codes = local.stop()
-    return {"config": name, "flags": flags, "snapshots": snapshots, "nodes": final, "exit_codes": codes,
+    return {"snapshots": snapshots, "nodes": final, "exit_codes": codes, "wall_s": time.monotonic() - started,
             "link_bytes": sum(sum(link.bytes.values()) for link in net.links),
             "refresh_bytes": sum(n["training"].get("earlier", {}).get("bytes", 0) for n in final.values())}
 

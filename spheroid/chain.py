@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as fn
 
 from .config import NoiseConfig
-from .model import CleanStream, DiffusionBlock, Span
+from .model import CleanStream, DiffusionBlock, Reference, Span
 from .noise import band, sigma_grid
 from .progress import Progress
 
@@ -441,6 +441,20 @@ def generate(
         traversals += 1
     if stats is not None:
         stats.update(traversals=traversals, drafted=drafted, kept=kept)
+    return bytes(out[begin:])
+
+
+@torch.no_grad()
+def generate_reference(model: Reference, prompt: bytes, n_bytes: int, temperature: float, seed: int) -> bytes:
+    """n_bytes after prompt from the end-to-end reference, one byte per forward pass, over the same
+    windows (`window_start`) and with the same per-byte generators (`sample_bytes`) as the chain's
+    autoregressive mode: what a replica set of the reference (DiLoCo) gives a user locally."""
+    context, device = model.pos_emb.shape[0], model.pos_emb.device
+    out = bytearray(prompt or b"\n")
+    begin = len(out)
+    while len(out) - begin < n_bytes:
+        x = torch.tensor(list(next_window(out, 1, context)), dtype=torch.long, device=device)[None, :]
+        out.extend(sample_bytes(model(x)[0, -1:], temperature, seed, len(out) - begin))
     return bytes(out[begin:])
 
 

@@ -24,9 +24,20 @@ import torch
 
 from . import checkpoint
 from .averaging import CODECS, OUTER_STEPS, AveragingConfig
-from .chain import DEFAULT_DRAFT
+from .chain import DEFAULT_DRAFT, generate_reference
 from .chain import generate as run_chain
-from .config import REFRESH_CODECS, ModelConfig, NodeConfig, NoiseConfig, RunConfig, TrainConfig, override, parse_addr
+from .config import (
+    REFERENCE_PART,
+    REFRESH_CODECS,
+    ModelConfig,
+    NodeConfig,
+    NoiseConfig,
+    RunConfig,
+    TrainConfig,
+    override,
+    parse_addr,
+    part_name,
+)
 from .data import DataError, fixed_windows, load_bytes
 from .launch import LocalSwarm
 from .node.client import assemble_swarm, fetch_status, remote_generate, score_text
@@ -634,8 +645,13 @@ def generate(target, peer, prompt, n_bytes, mode, chunk, route, temperature, see
         if target is None or not Path(target).is_dir():
             raise click.UsageError("give a checkpoint folder (or --peer HOST:PORT to use a swarm)")
         dev = pick_device(device)
-        cfg, blocks, codebook = load_chain(target, dev)
         text, stats = as_bytes(prompt), {}
+        if not checkpoint.block_indices(target) and (Path(target) / f"{checkpoint.REFERENCE}.json").exists():
+            log.info("%s holds the end-to-end reference: it generates one byte per forward pass (mode ar)", target)
+            _, reference = load_reference(target, dev)
+            out.write(text + generate_reference(reference, text, n_bytes, temperature, seed) + b"\n", final=True)
+            return
+        cfg, blocks, codebook = load_chain(target, dev)
         draft = (chunk or DEFAULT_DRAFT) if mode == "spec" else 0
         k = 1 if draft or mode == "ar" else chunk or 1
         out.write(text + run_chain(blocks, cfg.noise, codebook, text, n_bytes, k, temperature, seed, draft, stats)
@@ -791,8 +807,12 @@ def read_secret(path: str | None) -> bytes | None:
               help="What this node tells its peers it is (shown in their peer tables; clients use 'client').")
 @click.option("--block", "block", type=click.IntRange(min=0), default=None,
               help="Train this block with the other nodes that train it (needs --data).")
+@click.option("--reference", is_flag=True,
+              help="Train the whole end-to-end reference instead, with the other nodes that train it: data-parallel "
+                   "replicas that average their change every --every steps (DiLoCo with --outer nesterov).")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
-              help="Where the training node checkpoints after every round (default node-block-<B>).")
+              help="Where the training node checkpoints after every round (default node-block-<B>, or "
+                   "node-reference).")
 @config_option(", and a [node] table of this command's flags (every replica of a block must use the same "
                "model)")
 @run_config_options
@@ -836,16 +856,20 @@ def read_secret(path: str | None) -> bytes | None:
 @data_option
 @tls_options
 @command
-def node(listen, peers, announce, swarm, secret_file, identity, role, block, out, config_file, every, codec, lz4,
+def node(listen, peers, announce, swarm, secret_file, identity, role, block, reference, out, config_file, every,
+         codec, lz4,
          feedback, wait, outer, outer_lr, outer_momentum, max_samples_ratio, serve, serve_from, serve_reference,
          hop_timeout, cache_mb, session_ttl, max_queued, threads, status_interval, data_dir, tls_cert, tls_key,
          tls_ca, **overrides) -> None:
-    """Run a node: serve the protocol, join the swarm through --peer, train --block B and serve --serve
-    blocks if given, until Ctrl-C."""
+    """Run a node: serve the protocol, join the swarm through --peer, train --block B (or --reference) and
+    serve --serve blocks if given, until Ctrl-C."""
+    if block is not None and reference:
+        raise click.UsageError("give one of --block B and --reference: a node trains one part of the model")
+    part = REFERENCE_PART if reference else block
     try:
         served = parse_blocks(serve) if serve else None
         cfg = NodeConfig(listen=listen, peers=tuple(peers), announce=announce, swarm=swarm, identity=identity,
-                         role=role, blocks=() if block is None else (block,), status_interval=status_interval,
+                         role=role, blocks=() if part is None else (part,), status_interval=status_interval,
                          tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
                          serves=tuple(range(served[0], served[1] + 1)) if served else ())
     except ValueError as exc:
@@ -865,13 +889,13 @@ def node(listen, peers, announce, swarm, secret_file, identity, role, block, out
             BlockServer(member, serve_from, *served, hop_timeout=hop_timeout, cache_mb=cache_mb,
                         session_ttl=session_ttl, max_queued=max_queued)
         work = None
-        if block is not None:
+        if part is not None:
             run = node_run_config(config_file, overrides)
             averaging = AveragingConfig(every=every, codec=codec, lz4=lz4, feedback=feedback, wait=wait, outer=outer,
                                         outer_lr=outer_lr, outer_momentum=outer_momentum,
                                         max_samples_ratio=max_samples_ratio)
-            worker = BlockWorker(member, run, averaging, block, load_bytes(data_dir, "train"),
-                                 Path(out or f"node-block-{block}"))
+            worker = BlockWorker(member, run, averaging, part, load_bytes(data_dir, "train"),
+                                 Path(out or ("node-reference" if reference else f"node-block-{block}")))
             work = worker.run
         run_async(member.run(work))
     except OSError as exc:
@@ -890,19 +914,19 @@ def parse_replicas(ctx: click.Context, param: click.Parameter, value: str) -> li
     return counts
 
 
-def check_node_flags(flags: list[str]) -> None:
-    """Parse NODE_FLAGS as `spheroid node` will, and build their configuration, so that a bad one is
-    refused here, in one line, rather than in every node's log."""
+def check_node_flags(flags: list[str], part: list[str]) -> None:
+    """Parse NODE_FLAGS as `spheroid node` will (with `part`: --block 0 or --reference), and build
+    their configuration, so that a bad one is refused here, in one line, rather than in every node's log."""
     parent = click.get_current_context()
     try:
-        with node.make_context("node", [*flags, "--block", "0"], parent=parent) as ctx:
+        with node.make_context("node", [*flags, *part], parent=parent) as ctx:
             params = ctx.params
     except click.ClickException as exc:
         raise click.UsageError(f"a node flag: {exc.format_message()}") from exc
     node_run_config(params["config_file"], {k: v for k, v in params.items() if "__" in k})
 
 
-SWARM_SETS = ("--block", "--n-blocks", "--listen", "--peer", "--identity", "--out")  # what `swarm` gives each node
+SWARM_SETS = ("--block", "--reference", "--listen", "--peer", "--identity", "--out")  # what `swarm` gives each node
 SWARM_REFRESH_EVERY = 100  # steps between a swarm node's refreshes of the earlier blocks it reads
 
 
@@ -919,7 +943,12 @@ def node_run_config(config_file: str | None, overrides: dict) -> RunConfig:
 @click.option("--out", type=click.Path(file_okay=False), default="runs/swarm", show_default=True,
               help="Folder for the nodes' logs and checkpoints, the assembled model and metrics.json.")
 @click.option("--replicas", default="2,1,1,1", show_default=True, callback=parse_replicas,
-              help="Nodes per block, comma-separated (block 0 first); the length is the number of blocks.")
+              help="Nodes per block, comma-separated (block 0 first); the length is the number of blocks. With "
+                   "--reference: one count, the reference's replicas.")
+@click.option("--reference", is_flag=True,
+              help="Train the end-to-end reference with --replicas data-parallel nodes (DiLoCo-style: give "
+                   "--outer nesterov in NODE_FLAGS) instead of the blocks; its depth is the model's (--n-blocks x "
+                   "--layers-per-block).")
 @click.option("--base-port", type=click.IntRange(1, 65535), default=None,
               help="The nodes listen on 127.0.0.1 at BASE, BASE+1, ...  [default: free ports]")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=1800, show_default=True,
@@ -927,36 +956,41 @@ def node_run_config(config_file: str | None, overrides: dict) -> RunConfig:
 @data_option
 @click.argument("node_flags", nargs=-1, type=click.UNPROCESSED)
 @command
-def swarm(out, replicas, base_port, timeout, data_dir, node_flags) -> None:
+def swarm(out, replicas, reference, base_port, timeout, data_dir, node_flags) -> None:
     """Run a swarm of trainer nodes on 127.0.0.1, one process each, until they finish; assemble it.
 
     NODE_FLAGS go to every `spheroid node` (model, steps, --every, --codec, ...), e.g.
     `spheroid swarm --out runs/demo -- --steps 600 --d-model 64`. The lines show each node's CE on
     its last batch and, beside it, the w(sigma)-weighted loss it minimises (larger than the CE).
+    With --reference the nodes train replicas of the end-to-end reference instead, e.g.
+    `spheroid swarm --reference --replicas 4 -- --outer nesterov --codec int4 --every 50`.
     """
     folder = Path(out)
-    if taken := sorted({flag.split("=")[0] for flag in node_flags} & set(SWARM_SETS)):
-        raise click.UsageError(f"the swarm gives each node its own {', '.join(taken)} (--replicas the blocks, --out "
-                               "its folder, and the addresses): leave them out of NODE_FLAGS")
-    flags = [*node_flags, "--n-blocks", str(len(replicas))]
-    check_node_flags(flags)
+    taken = {flag.split("=")[0] for flag in node_flags} & {*SWARM_SETS, *([] if reference else ["--n-blocks"])}
+    if taken:
+        raise click.UsageError(f"the swarm gives each node its own {', '.join(sorted(taken))} (--replicas the blocks, "
+                               "--out its folder, and the addresses): leave them out of NODE_FLAGS")
+    if reference and len(replicas) != 1:
+        raise click.BadParameter("with --reference give one count, the replicas of the reference",
+                                 param_hint="--replicas")
+    flags = list(node_flags) if reference else [*node_flags, "--n-blocks", str(len(replicas))]
+    check_node_flags(flags, ["--reference"] if reference else ["--block", "0"])
+    parts = [(REFERENCE_PART, "ref", replicas[0])] if reference else [(b, f"b{b}", n) for b, n in enumerate(replicas)]
     with LocalSwarm(folder / "nodes", data_dir, flags) as local:
         seed = None
-        for block, count in enumerate(replicas):
+        for part, prefix, count in parts:
             for r in range(count):
                 listen = f"127.0.0.1:{base_port + len(local.members)}" if base_port else None
-                member = local.add(f"b{block}-{chr(97 + r)}", block, seeds=[seed.listen] if seed else [], listen=listen)
-                click.echo(f"{member.name:>8} | block {block} on {member.listen} | log {member.log}")
+                member = local.add(f"{prefix}-{chr(97 + r)}", part, seeds=[seed.listen] if seed else [], listen=listen)
+                click.echo(f"{member.name:>8} | {part_name(part)} on {member.listen} | log {member.log}")
                 seed = seed or member
         click.echo(f"started {len(local.members)} nodes; training (ce: CE of the last batch; weighted loss: what "
                    f"blocks minimise)...")
         members = local.wait_trained(timeout, show=click.echo)
         found = local.assemble(folder / "model")
-        for block, holder, version in found:
-            click.echo(f"block {block}: round {version.round}, {version.samples} samples, state {version.hash[:12]} "
-                       f"from {holder}")
+        show_assembled(found)
         codes = local.stop()
-    metrics = {"replicas": replicas, "node_flags": list(node_flags),
+    metrics = {"replicas": replicas, "reference": reference, "node_flags": list(node_flags),
                "nodes": {m.name: {"training": m.status["training"], "traffic": m.status["traffic"],
                                   "exit_code": codes[m.name]} for m in members},
                "assembled": [{"block": b, "holder": h, **v.to_wire()} for b, h, v in found]}
@@ -978,10 +1012,14 @@ def assemble(peer, out, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) 
     cfg = client_config(swarm, timeout or 10.0, tls_cert, tls_key, tls_ca)
     secret = read_secret(secret_file)
     found = run_client(lambda: assemble_swarm(peer, cfg, Path(out), secret), f"cannot assemble from {peer}")
-    for block, holder, version in found:
-        click.echo(f"block {block}: round {version.round}, {version.samples} samples, state {version.hash[:12]} "
-                   f"from {holder}")
+    show_assembled(found)
     click.echo(f"checkpoint in {out}")
+
+
+def show_assembled(found: list) -> None:
+    for part, holder, version in found:
+        click.echo(f"{part_name(part)}: round {version.round}, {version.samples} samples, state "
+                   f"{version.hash[:12]} from {holder}")
 
 
 @main.command()

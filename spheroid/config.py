@@ -16,6 +16,16 @@ from typing import Any
 
 # how a swarm node may refresh its copies of earlier blocks: fp32 snapshots, or changes in a codec
 REFRESH_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
+# the number that names the end-to-end reference wherever the wire and a node name the part of the
+# model they train (`blocks` in hello, `block` in version, update, state_get...): replicas of the
+# whole reference (data-parallel local SGD, DiLoCo-style) average through the same messages as a
+# block's replicas, and can share a swarm with blocks 0..B-1 without being taken for one of them
+REFERENCE_PART = 65535
+
+
+def part_name(part: int) -> str:
+    """How logs and errors name a part of the model: "block B", or "the reference"."""
+    return "the reference" if part == REFERENCE_PART else f"block {part}"
 
 
 @functools.cache

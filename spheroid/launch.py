@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .averaging import Version
-from .config import NodeConfig
+from .config import REFERENCE_PART, NodeConfig, part_name
 from .node.client import assemble_swarm, fetch_status
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,11 @@ class LocalSwarm:
 
     def add(self, name: str, block: int, flags: list[str] = (), seeds: list[str] = (),
             listen: str | None = None, announce: str | None = None) -> Member:
-        """Start `spheroid node --block B` with the swarm's run flags, then this member's own flags."""
+        """Start `spheroid node --block B` (`--reference` for block REFERENCE_PART) with the swarm's run
+        flags, then this member's own flags."""
         listen = listen or f"127.0.0.1:{free_port()}"
-        cmd = [sys.executable, "-m", "spheroid", "node", "--listen", listen, "--block", str(block),
+        part = ["--reference"] if block == REFERENCE_PART else ["--block", str(block)]
+        cmd = [sys.executable, "-m", "spheroid", "node", "--listen", listen, *part,
                "--identity", str(self.folder / f"{name}.id.json"), "--out", str(self.folder / name),
                "--status-interval", "5", *self.run_flags, *flags]
         if self.data_dir is not None:
@@ -152,8 +154,9 @@ def status_line(member: Member) -> str:
     traffic = s["traffic"]
     moved = (traffic["sent"]["wire_bytes"] + traffic["received"]["wire_bytes"]) / 2**20
     if t["step"] == 0:
-        return f"{member.name:>8} | block {t['block']} joined, waiting for its first step | peers {len(s['peers'])}"
-    return (f"{member.name:>8} | block {t['block']} step {t['step']:>5}/{t['steps']} "
+        return (f"{member.name:>8} | {part_name(t['block'])} joined, waiting for its first step | "
+                f"peers {len(s['peers'])}")
+    return (f"{member.name:>8} | {part_name(t['block'])} step {t['step']:>5}/{t['steps']} "
             f"ce {t.get('ce', float('nan')):.3f} (weighted loss {t['loss']:.2f}) | "
             f"round {t['round']:>3} state {t['version']['hash'][:8]} | peers {len(s['peers'])} | "
             f"moved {moved:.2f} MiB{' | done' if t['done'] else ''}")

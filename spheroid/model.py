@@ -22,7 +22,7 @@ import torch.nn.functional as fn
 from safetensors.torch import load as safetensors_load
 from torch import nn
 
-from .config import ModelConfig
+from .config import REFERENCE_PART, ModelConfig
 
 
 def make_codebook(cfg: ModelConfig) -> torch.Tensor:
@@ -529,6 +529,12 @@ class Reference(nn.Module):
         if start + x.shape[1] > self.pos_emb.shape[0]:
             raise ValueError(f"positions up to {start + x.shape[1]} exceed the context of {self.pos_emb.shape[0]}")
         return self.tok_emb(x) + self.pos_emb[start : start + x.shape[1]]
+
+
+def part_module(cfg: ModelConfig, sigma_data: float, part: int) -> DiffusionBlock | Reference:
+    """The module of one part of the model a swarm trains: block `part`, or the end-to-end reference
+    (REFERENCE_PART); built on the current default device (the meta device counts parameters)."""
+    return Reference(cfg) if part == REFERENCE_PART else DiffusionBlock(cfg, sigma_data, part)
 
 
 def init_weights(module: nn.Module) -> None:

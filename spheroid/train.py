@@ -16,9 +16,10 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as fn
@@ -28,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from . import checkpoint
 from .chain import BoundScore, ChainScore, Streams, chain_state, encode_context, score, score_block_alone, score_bound
-from .config import NoiseConfig, RunConfig
+from .config import REFERENCE_PART, NoiseConfig, RunConfig
 from .data import random_windows
 from .model import CleanStream, DiffusionBlock, Reference, make_codebook, parameter_count
 from .noise import loss_weight, sample_sigma, sigma_grid, training_band
@@ -250,6 +251,7 @@ class FitResult:
     rss_before_training_mb: float
     peak_gpu_mb: float  # torch's peak allocated device memory; 0 on the CPU
     params: int  # of the model trained (not of the frozen blocks it reads)
+    memory: dict[str, float]  # training memory by kind (`memory_mb`), MiB
 
 
 def fit(
@@ -265,6 +267,7 @@ def fit(
     after_step: Callable[[int, float], None] | None = None,
     resume_every: int = 200,
     stop: threading.Event | None = None,
+    frozen: Sequence[torch.nn.Module] = (),
 ) -> FitResult:
     """Train `model` for cfg.train.steps on random windows of `data`; checkpoint into `out`.
 
@@ -273,8 +276,10 @@ def fit(
     `out` and configuration continues from there and ends on the weights an uninterrupted run ends
     on. Every `save_every` steps a snapshot goes to out/steps/<step>/ (for learning curves); the
     final weights go to out/; every log line also goes to out/<name>.history.jsonl. FLOPs of one
-    step are counted once, at the first step, by torch's counter. `after_step(done, loss)` runs
-    after every step (a block trainer publishes and refreshes there).
+    step are counted once, at the first step, by torch's counter, and so are the activations it
+    keeps for backward (`costed_step`); `frozen` are the modules it runs forward only (a block's
+    earlier blocks), counted in its training memory. `after_step(done, loss)` runs after every step
+    (a block trainer publishes and refreshes there).
     """
     device = next(model.parameters()).device
     t = cfg.train
@@ -290,12 +295,13 @@ def fit(
             f"{out} holds a resumable {name} trained against other versions of {', '.join(changed)} than the folder "
             f"holds now: --fresh to train {name} again on these, or restore the ones it read")
     first, flops_per_step = resumed.get("step", 0), resumed.get("flops_per_step", 0)
+    saved_bytes = resumed.get("saved_bytes", 0)
     loss_value, ce_value = resumed.get("loss", float("nan")), resumed.get("ce", float("nan"))
     spent = resumed.get("wall_s", 0.0)  # seconds of training before this run
     if first >= t.steps and (out / f"{name}.json").exists():
         log.info("%s: already trained to step %d in %s (--fresh starts over)", name, first, out)
         return FitResult(spent, flops_per_step, loss_value, ce_value, peak_rss_mb(), rss_before, 0.0,
-                         parameter_count(model))
+                         parameter_count(model), memory_mb(model, opt, saved_bytes, frozen))
     if first:
         log.info("%s: resumed from %s at step %d/%d, loss %.4f", name, out, first, t.steps, loss_value)
     history = out / f"{name}.history.jsonl"
@@ -310,16 +316,15 @@ def fit(
 
     def state(done: int) -> dict:
         return {"step": done, "loss": loss_value, "ce": ce_value, "flops_per_step": flops_per_step,
-                "wall_s": spent + time.monotonic() - started, **(state_extra or {})}
+                "saved_bytes": saved_bytes, "wall_s": spent + time.monotonic() - started, **(state_extra or {})}
 
     for step in range(first, t.steps):
         for group in opt.param_groups:
             group["lr"] = learning_rate(step, cfg)
         windows = random_windows(data, t.batch, cfg.model.context + 1, gen).to(device)
         if not flops_per_step:
-            with FlopCounterMode(display=False) as counter:
-                loss, ce_value = train_step(model, loss_fn, opt, windows, gen, t.grad_clip)
-            flops_per_step = counter.get_total_flops()
+            loss, ce_value, cost = costed_step(model, loss_fn, opt, windows, gen, t.grad_clip)
+            flops_per_step, saved_bytes = cost.flops, cost.saved_bytes
         else:
             loss, ce_value = train_step(model, loss_fn, opt, windows, gen, t.grad_clip)
         loss_value = loss
@@ -350,7 +355,7 @@ def fit(
     save_resume(out, name, model, opt, gen, cfg, final)  # a rerun knows it is done
     gpu = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
     return FitResult(final["wall_s"], flops_per_step, loss_value, ce_value, peak_rss_mb(), rss_before, gpu,
-                     parameter_count(model))
+                     parameter_count(model), memory_mb(model, opt, saved_bytes, frozen))
 
 
 def train_step(
@@ -363,6 +368,59 @@ def train_step(
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     opt.step()
     return loss.item(), ce
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one training step cost, as torch counted it."""
+
+    flops: int  # forward and backward (and the frozen earlier blocks' forward passes), torch's counter
+    saved_bytes: int  # tensors autograd kept for backward (the step's activations), each storage once
+
+
+def kept_for_backward(compute: Callable[[], Any]) -> tuple[Any, int]:
+    """Run `compute()`; its result and the bytes of the tensors autograd saved for backward, each
+    storage counted once."""
+    kept: list[torch.Tensor] = []  # held until counted, so that no storage's address is reused meanwhile
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = compute()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    return out, sum(storages.values())
+
+
+def costed_step(
+    model: torch.nn.Module, loss_fn: LossFn, opt: torch.optim.Optimizer, windows: torch.Tensor,
+    gen: torch.Generator, grad_clip: float,
+) -> tuple[float, float, StepCost]:
+    """`train_step`, counting its FLOPs and the activations it keeps for backward (slower: for the
+    first steps of a run, not all of them)."""
+    with FlopCounterMode(display=False) as counter:
+        (loss, ce), saved = kept_for_backward(lambda: loss_fn(windows, gen))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+    return loss.item(), ce, StepCost(counter.get_total_flops(), saved)
+
+
+def memory_mb(model: torch.nn.Module, opt: torch.optim.Optimizer, saved_bytes: int,
+              frozen: Sequence[torch.nn.Module] = ()) -> dict[str, float]:
+    """A trainer's training memory by kind, in MiB: weights, gradients, optimizer state (AdamW's
+    moments), activations kept for backward (`saved_bytes`, from `costed_step`) and the frozen
+    copies of earlier blocks it runs forward only; `total` is their sum."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    moments = sum(t.numel() * t.element_size() for state in opt.state.values() for t in state.values()
+                  if torch.is_tensor(t) and t.dim() > 0)
+    held = sum(p.numel() * p.element_size() for module in frozen for p in module.parameters())
+    parts = {"weights": params, "gradients": params, "optimizer": moments, "activations": saved_bytes,
+             "frozen": held}
+    mib = {k: v / 2**20 for k, v in parts.items()}
+    return {**mib, "total": sum(mib.values())}
 
 
 def genesis_block(cfg: RunConfig, index: int) -> DiffusionBlock:
@@ -483,16 +541,33 @@ def train_block(cfg: RunConfig, index: int, data: torch.Tensor, out: Path, devic
                      ", ".join(f"{k}@{v['step']}" for k, v in earlier.versions.items()))
 
     return fit(block, loss_fn, cfg, data, name, out, extra, save_every, after_step=publish_and_refresh,
-               **fit_options)
+               frozen=earlier.blocks if earlier else (), **fit_options)
+
+
+def genesis_reference(cfg: RunConfig) -> Reference:
+    """The end-to-end reference as it starts: seeded, so every replica of it builds the same one."""
+    torch.manual_seed(cfg.train.seed)
+    model = Reference(cfg.model)
+    log.info("reference: %d layers, %s layout, %d parameters", cfg.model.n_blocks * cfg.model.layers_per_block,
+             cfg.model.reference_layout, parameter_count(model))
+    return model
+
+
+def part_trainer(cfg: RunConfig, part: int, device: torch.device
+                 ) -> tuple[torch.nn.Module, LossFn, EarlierBlocks | None]:
+    """What a swarm node trains: block `part` (`block_trainer`, its earlier blocks in their genesis
+    states for the node to replace), or the whole end-to-end reference (part REFERENCE_PART, as
+    data-parallel replicas do), which reads nothing."""
+    if part == REFERENCE_PART:
+        model = genesis_reference(cfg).to(device)
+        return model, reference_loss(model), None
+    return block_trainer(cfg, part, None, device)
 
 
 def train_reference(cfg: RunConfig, data: torch.Tensor, out: Path, device: torch.device,
                     save_every: int = 0, **fit_options) -> FitResult:
     """Train the end-to-end reference (depth n_blocks * layers_per_block) with next-byte CE."""
-    torch.manual_seed(cfg.train.seed)
-    model = Reference(cfg.model).to(device)
-    log.info("reference: %d layers, %s layout, %d parameters", cfg.model.n_blocks * cfg.model.layers_per_block,
-             cfg.model.reference_layout, parameter_count(model))
+    model = genesis_reference(cfg).to(device)
     return fit(model, reference_loss(model), cfg, data, checkpoint.REFERENCE, out, {}, save_every, **fit_options)
 
 

@@ -19,8 +19,8 @@ from torch.nn.utils import vector_to_parameters
 
 from .. import checkpoint
 from ..averaging import SharedState, Version
-from ..config import NodeConfig, RunConfig, parse_addr
-from ..model import DiffusionBlock
+from ..config import REFERENCE_PART, NodeConfig, RunConfig, parse_addr
+from ..model import part_module
 from ..wire import ProtocolError
 from ..wire.messages import (
     Error,
@@ -111,12 +111,13 @@ async def fetch_status(addr: str, cfg: NodeConfig, secret: bytes | None = None) 
 
 async def assemble_swarm(addr: str, cfg: NodeConfig, out: Path, secret: bytes | None = None
                          ) -> list[tuple[int, str, Version]]:
-    """Collect the preferred state of every block from the swarm reachable through addr into `out`.
+    """Collect the preferred state of every block from the swarm reachable through addr into `out`
+    (and of the end-to-end reference, where replicas of it train: DiLoCo-style data parallel).
 
-    Crawls the membership from addr, reads every training member's version, and fetches each block
+    Crawls the membership from addr, reads every training member's version, and fetches each part
     from a holder of its preferred version (later round, more samples, smaller hash: the rule the
-    replicas themselves use). Returns (block, holder address, version) per block. Assembly is only
-    collecting: no step runs after it.
+    replicas themselves use). Returns (part, holder address, version) per part (REFERENCE_PART for
+    the reference). Assembly is only collecting: no step runs after it.
     """
     members = await crawl(addr, cfg, secret)
     best: dict[int, tuple[Version, str]] = {}
@@ -126,28 +127,32 @@ async def assemble_swarm(addr: str, cfg: NodeConfig, out: Path, secret: bytes | 
         training = status.get("training")
         if not training:
             continue
-        n_blocks = training["n_blocks"]
+        part = training["block"]
+        if part != REFERENCE_PART:
+            n_blocks = training["n_blocks"]
         version = Version(**training["version"])
-        block = training["block"]
-        if block not in best or version.preferred_over(best[block][0]):
-            best[block] = (version, member_addr)
-            reads[block] = training.get("earlier", {}).get("reads", {})
-    if n_blocks is None:
-        raise PeerGone(f"no node reachable through {addr} trains a block")
-    missing = [b for b in range(n_blocks) if b not in best]
+        if part not in best or version.preferred_over(best[part][0]):
+            best[part] = (version, member_addr)
+            reads[part] = training.get("earlier", {}).get("reads", {})
+    if not best:
+        raise PeerGone(f"no node reachable through {addr} trains a block or the reference")
+    missing = [b for b in range(n_blocks or 0) if b not in best]
     if missing:
         raise PeerGone(f"no reachable node holds block(s) {missing}; start nodes for them or wait for gossip")
     found, first_cfg = [], None
-    for block, (_, holder) in sorted(best.items()):
-        run_cfg, state = await fetch_state(holder, block, cfg, secret)
-        module = DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data, block)
+    for part, (_, holder) in sorted(best.items()):
+        run_cfg, state = await fetch_state(holder, part, cfg, secret)
+        module = part_module(run_cfg.model, run_cfg.noise.sigma_data, part)
+        if part == REFERENCE_PART:
+            name, record = checkpoint.REFERENCE, {}
+        else:
+            name, record = checkpoint.block_name(part), {"block": part, "reads": reads[part]}
+            if first_cfg is not None and (run_cfg.model, run_cfg.noise) != (first_cfg.model, first_cfg.noise):
+                raise PeerGone(f"block {part} from {holder} belongs to another model than block 0")
+            first_cfg = first_cfg or run_cfg
         vector_to_parameters(state.params, module.parameters())
-        if first_cfg is not None and (run_cfg.model, run_cfg.noise) != (first_cfg.model, first_cfg.noise):
-            raise PeerGone(f"block {block} from {holder} belongs to another model than block 0")
-        first_cfg = first_cfg or run_cfg
-        checkpoint.save(out, checkpoint.block_name(block), module, run_cfg,
-                        {"block": block, **state.version.to_wire(), "source": holder, "reads": reads[block]})
-        found.append((block, holder, state.version))
+        checkpoint.save(out, name, module, run_cfg, {**record, **state.version.to_wire(), "source": holder})
+        found.append((part, holder, state.version))
     return found
 
 
@@ -201,7 +206,7 @@ async def request_state(conn: Connection, block: int, n_params: int | None = Non
     run_cfg = RunConfig.from_dict(reply.config)
     if n_params is None:  # (counted without allocating them: the config is the peer's)
         with torch.device("meta"):
-            shape = DiffusionBlock(run_cfg.model, run_cfg.noise.sigma_data, block)
+            shape = part_module(run_cfg.model, run_cfg.noise.sigma_data, block)
         n_params = sum(p.numel() for p in shape.parameters())
     version = Version(reply.round, reply.samples, reply.hash)
     if reply.since is None:

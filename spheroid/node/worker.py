@@ -41,15 +41,18 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 from .. import checkpoint
 from ..averaging import CODECS, AveragingConfig, Closed, Replica, SharedState, Version, state_hash
 from ..checkpoint import CheckpointError
-from ..config import REFRESH_CODECS, RunConfig
+from ..config import REFERENCE_PART, REFRESH_CODECS, RunConfig, part_name
 from ..data import random_windows
 from ..train import (
     EarlierBlocks,
-    block_trainer,
+    costed_step,
     learning_rate,
     load_optimizer_tensors,
     make_optimizer,
+    memory_mb,
     optimizer_tensors,
+    part_trainer,
+    peak_rss_mb,
     reads_earlier,
     train_step,
 )
@@ -71,6 +74,7 @@ RECENT = 4  # states a holder keeps, to send a reader the change from the one it
 COPIES = 64  # readers' copies a holder keeps (the last it made), to send the change from them,
 COPIES_BYTES = 256 << 20  # and at most this many bytes of them
 HISTORY = 50  # rounds kept in the status
+COSTED_STEPS = 32  # first steps whose FLOPs and activations are counted (`costed_step`), for the status
 DONOR_WAIT_S = 3.0  # a reader waits this long for the holder that made its copy to announce a version
 FETCH_RETRY_S = 1.0  # a reader whose fetch of an earlier block failed (its holders busy) tries again after this
 JOIN_WAIT_S = 3.0  # a fresh node waits up to this long for its first peer of its block (`_met_a_peer`),
@@ -105,10 +109,10 @@ async def fetch_from(node: Node, holders: list[str], block: int, n_params: int, 
             if not same_run(run_cfg, cfg):
                 raise ValueError("its model or noise schedule differs from this node's")
         except Exception as exc:  # (whatever one holder sent: the next one is asked)
-            log.warning("state of block %d from %s refused: %s", block, donor[:8], exc,
+            log.warning("state of %s from %s refused: %s", part_name(block), donor[:8], exc,
                         exc_info=not isinstance(exc, PeerGone | ProtocolError | ValueError | TypeError))
             continue
-        log.info("fetched block %d's state %s (round %d) from %s", block, state.version.hash[:12],
+        log.info("fetched %s's state %s (round %d) from %s", part_name(block), state.version.hash[:12],
                  state.version.round, donor[:8])
         return donor, state
     return None
@@ -327,13 +331,21 @@ class Upstream:
 
 
 class BlockWorker:
+    """A node's trainer of one part of the model: block `block`, or with `block` REFERENCE_PART the
+    whole end-to-end reference, trained by data-parallel replicas that average their change every
+    `every` local steps (DiLoCo-style with `--outer nesterov`): the same rounds, versions, state
+    transfers and checkpoints as a block's replicas."""
+
     def __init__(self, node: Node, cfg: RunConfig, averaging: AveragingConfig, block: int, data: torch.Tensor,
                  out: Path) -> None:
         self.node, self.cfg, self.avg, self.block, self.data = node, cfg, averaging, block, data
-        self.out, self.name = Path(out), f"worker-{block}"  # its checkpoint: OUT/worker-B.json and its weights
+        self.reference, self.label = block == REFERENCE_PART, part_name(block)
+        # its checkpoint: OUT/worker-B.json (worker-reference.json) and the weights file it names
+        self.out, self.name = Path(out), "worker-reference" if self.reference else f"worker-{block}"
         self.legacy = self.out / f"{self.name}.safetensors"  # (one file, as nodes wrote it before)
         # every replica starts from the same genesis state; the earlier blocks it reads, from theirs
-        self.module, self.loss_fn, self.earlier = block_trainer(cfg, block, None, torch.device("cpu"))
+        self.module, self.loss_fn, self.earlier = part_trainer(cfg, block, torch.device("cpu"))
+        self.reads = reads_earlier(cfg) and not self.reference  # (announce versions to later blocks)
         self.opt = make_optimizer(self.module, cfg)
         self.upstream = Upstream(node, block, self.earlier, cfg.train.refresh_every or averaging.every,
                                  cfg.train.refresh_codec)
@@ -342,6 +354,7 @@ class BlockWorker:
         self.gen = torch.Generator().manual_seed(cfg.train.seed ^ node_seed)
         torch.manual_seed(cfg.train.seed * 7919 + node_seed)
         self.step, self.loss, self.ce = 0, float("nan"), float("nan")
+        self.costed, self.flops, self.saved_bytes = 0, 0, 0  # steps counted by `costed_step`, their FLOPs, activations
         self.round_end: int | None = None  # the step this node's round's local steps end at, while it trains them
         # clear while it averages a round: a same-block joiner is answered once it is set again (`on_state_get`)
         self.not_averaging = asyncio.Event()
@@ -446,8 +459,8 @@ class BlockWorker:
             if verified and (actual := state_hash(params, momentum)) != version.hash:
                 # (the file checked out, so not damage: the round agreed on a hash that is not its state's,
                 # as when an owner's leaf digests were wrong; the version rule settles which state is kept)
-                log.warning("block %d's checkpoint records state %s but holds state %s; resuming under the "
-                            "latter", self.block, version.hash[:12], actual[:12])
+                log.warning("%s's checkpoint records state %s but holds state %s; resuming under the "
+                            "latter", self.label, version.hash[:12], actual[:12])
                 version = replace(version, hash=actual)
             state = SharedState.unpack(version, SharedState.pack(params, momentum), self.n_params)
         except (KeyError, ValueError, TypeError) as exc:
@@ -455,7 +468,7 @@ class BlockWorker:
         self.set_params(state.params)
         load_optimizer_tensors(self.opt, tensors)
         self.step, self.loss = step, loss
-        log.info("block %d resumed from %s: round %d, step %d, loss %.4f, state %s", self.block, self.out,
+        log.info("%s resumed from %s: round %d, step %d, loss %.4f, state %s", self.label, self.out,
                  version.round, step, loss, version.hash[:12])
         return state
 
@@ -498,7 +511,7 @@ class BlockWorker:
         self.replica.synced = False
         await self.averager.flush()  # (after its last update, not overtaking it)
         await self._announce()
-        log.info("block %d: trained %d steps in %d rounds; still serving its state", self.block, self.step,
+        log.info("%s: trained %d steps in %d rounds; still serving its state", self.label, self.step,
                  self.replica.counters.rounds)
         while True:  # keep agreeing with the swarm: adopt preferred states peers announce
             await self.changed.wait()
@@ -563,9 +576,14 @@ class BlockWorker:
             for group in self.opt.param_groups:
                 group["lr"] = learning_rate(self.step, self.cfg)
             windows = random_windows(self.data, t.batch, self.cfg.model.context + 1, self.gen)
-            loss, ce = train_step(self.module, self.loss_fn, self.opt, windows, self.gen, t.grad_clip)
+            if self.costed < COSTED_STEPS:  # (a block's steps differ by the chain level drawn: a mean)
+                loss, ce, cost = costed_step(self.module, self.loss_fn, self.opt, windows, self.gen, t.grad_clip)
+                self.costed, self.flops = self.costed + 1, self.flops + cost.flops
+                self.saved_bytes = max(self.saved_bytes, cost.saved_bytes)
+            else:
+                loss, ce = train_step(self.module, self.loss_fn, self.opt, windows, self.gen, t.grad_clip)
             if not math.isfinite(loss):
-                raise FloatingPointError(f"block {self.block}: loss became {loss} at step {self.step}; lower --lr")
+                raise FloatingPointError(f"{self.label}: loss became {loss} at step {self.step}; lower --lr")
             self.loss, self.ce = loss, ce
             self.step += 1
 
@@ -586,7 +604,7 @@ class BlockWorker:
         with (self.out / f"{self.name}.history.jsonl").open("a") as f:  # the loss history, kept whole
             f.write(json.dumps({**self.history[-1], "step": self.step, "loss": self.loss, "ce": self.ce,
                                 "time": time.time()}) + "\n")
-        log.info("block %d round %d closed with %d update(s); state %s", self.block, closed.state.version.round,
+        log.info("%s round %d closed with %d update(s); state %s", self.label, closed.state.version.round,
                  len(closed.contributors), closed.state.version.hash[:12])
         await self._announce()
         self._settle_fetch()  # a peer may have closed this round differently
@@ -602,7 +620,7 @@ class BlockWorker:
         self._keep(state)
         self.save()
         self.left = state.left
-        log.info("block %d adopted state %s of round %d (%d samples%s)", self.block, state.version.hash[:12],
+        log.info("%s adopted state %s of round %d (%d samples%s)", self.label, state.version.hash[:12],
                  state.version.round, state.version.samples,
                  "" if state.left is None else f"; its holder had {state.left:.0%} of that round's steps left")
         self.node.spawn(self._announce())
@@ -629,7 +647,7 @@ class BlockWorker:
 
     async def on_peer(self, conn: Connection) -> None:
         """Tell a same-block peer which state this node holds, and a peer of a later block that reads it."""
-        readers = reads_earlier(self.cfg) and any(b > self.block for b in conn.hello.blocks)
+        readers = self.reads and any(self.block < b < self.cfg.model.n_blocks for b in conn.hello.blocks)
         if self.block in conn.hello.blocks or readers:
             with contextlib.suppress(PeerGone):
                 await conn.send(messages.Version(block=self.block, **self.replica.state.version.to_wire(),
@@ -675,7 +693,7 @@ class BlockWorker:
     async def on_state_get(self, conn: Connection, msg: messages.Message) -> None:
         if msg.block != self.block:
             await conn.send(messages.Error(re=msg.id, code="no_state",
-                                           message=f"this node holds block {self.block}, not {msg.block}"))
+                                           message=f"this node holds {self.label}, not {part_name(msg.block)}"))
             return
         if (self.block in conn.hello.blocks and not self.not_averaging.is_set()
                 and self.joiners_waiting < MAX_JOINERS_WAITING):
@@ -765,10 +783,19 @@ class BlockWorker:
                 "round": v.round, "version": v.to_wire(), "done": self.done, "served": self.served,
                 "counters": self.replica.counters.as_dict(), "averaging": dict(self.avg.__dict__),
                 "n_blocks": self.cfg.model.n_blocks, "params": self.n_params, "history": self.history,
-                "earlier": self.upstream.status()}
+                "earlier": self.upstream.status(), "part": "reference" if self.reference else "block",
+                **self.costs()}
+
+    def costs(self) -> dict:
+        """Compute and memory: FLOPs per step (the mean of the first COSTED_STEPS, torch's counter),
+        FLOPs of all steps trained, training memory by kind (MiB) and the process's peak RSS."""
+        per_step = self.flops / self.costed if self.costed else 0.0
+        frozen = self.earlier.blocks if self.earlier else ()
+        return {"flops_per_step": per_step, "train_flops": per_step * self.step, "peak_rss_mb": peak_rss_mb(),
+                "memory_mb": memory_mb(self.module, self.opt, self.saved_bytes, frozen)}
 
     def status_line(self) -> str:
         v = self.replica.state.version
-        return (f"block {self.block} step {self.step}/{self.cfg.train.steps} ce {self.ce:.3f} (weighted loss "
+        return (f"{self.label} step {self.step}/{self.cfg.train.steps} ce {self.ce:.3f} (weighted loss "
                 f"{self.loss:.3f}) | round {v.round} "
                 f"state {v.hash[:8]}")
