@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
     saved = work / "runs.json"  # the runs, scored: `--summarise` makes the results from them again
     if args.summarise:
         done = json.loads(saved.read_text())
-        runs, grid = done["runs"], done["grid"]
+        runs, grid, made = done["runs"], done["grid"], {**done["provenance"], "summarised": provenance()}
     else:
         runs = {"blocktrain": run_nodes("blocktrain", list(range(n)), [*blocktrain_flags(p["block_steps"]),
                                         "--n-blocks", str(n)], p, spec, work, args.data)}
@@ -352,14 +352,15 @@ def main(argv: list[str] | None = None) -> dict:
         runs["diloco"], grid = search_diloco(p, n, budget["diloco_steps"], spec, work, args.data, windows)
         runs["e2e"] = run_e2e(p, budget["e2e_steps"], work, args.data)
         score(runs["e2e"], windows)
-        saved.write_text(json.dumps({"runs": runs, "grid": grid}))
+        made = provenance()
+        saved.write_text(json.dumps({"runs": runs, "grid": grid, "provenance": made}))
 
     rows = {name: row_summary(run, name) for name, run in runs.items()}
     flops = [r["train_flops"] for r in rows.values()]
     spread = max(flops) / min(flops) - 1
     setting = runs["diloco"]["setting"]
     result = {
-        **provenance(), "preset": args.preset,
+        **made, "preset": args.preset,
         "link": {"delay_ms_one_way": spec.delay_ms, "mbit": spec.mbit},
         "config": {"run": cfg.to_dict(), "budget": budget, "flops_spread": spread, "flops_matched": spread <= MATCH,
                    "matched_by": "FLOPs per step counted by torch before the runs; e2e and diloco steps set so their "
