@@ -25,6 +25,7 @@ import torch
 
 from spheroid.config import ModelConfig, NoiseConfig, RunConfig, TrainConfig, override
 from spheroid.data import fixed_windows, load_bytes
+from spheroid.loading import write_genesis_codebook
 from spheroid.train import (
     evaluate_bound,
     evaluate_chain,
@@ -32,7 +33,6 @@ from spheroid.train import (
     pick_device,
     train_block,
     train_reference,
-    write_genesis_codebook,
 )
 
 log = logging.getLogger("bench.compose")

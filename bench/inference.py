@@ -52,7 +52,8 @@ from spheroid.config import NodeConfig  # noqa: E402
 from spheroid.data import fixed_windows, load_bytes  # noqa: E402
 from spheroid.launch import free_ports  # noqa: E402
 from spheroid.node.client import fetch_status, remote_generate  # noqa: E402
-from spheroid.train import evaluate_chain, load_chain, load_reference  # noqa: E402
+from spheroid.loading import load_chain, load_reference  # noqa: E402
+from spheroid.train import evaluate_chain  # noqa: E402
 
 log = logging.getLogger("bench.inference")
 

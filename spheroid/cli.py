@@ -49,19 +49,9 @@ from .node.serving import BlockServer, ReferenceServer
 from .node.worker import BlockWorker
 from .pipeline import parse_blocks
 from .progress import OneLineFormatter, Progress, duration
-from .train import (
-    Interrupted,
-    clear_run,
-    evaluate_bound,
-    evaluate_chain,
-    evaluate_reference,
-    load_chain,
-    load_reference,
-    pick_device,
-    train_block,
-    train_reference,
-    write_genesis_codebook,
-)
+from .loading import load_chain, load_reference, write_genesis_codebook
+from .resume import Interrupted, clear_run
+from .train import evaluate_bound, evaluate_chain, evaluate_reference, pick_device, train_block, train_reference
 from .wire import ProtocolError
 
 log = logging.getLogger("spheroid")

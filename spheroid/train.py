@@ -3,12 +3,12 @@
 Both trainers share one loop (`fit`): random byte windows, AdamW with warm-up and cosine decay,
 gradient clipping, progress logs and periodic checkpoints. They differ only in the loss. A block
 trainer trains exactly one block; it may read frozen copies of the blocks before it (chain states,
-the relay channel), forward only, and no gradient ever crosses a block boundary.
+the relay channel), forward only, and no gradient ever crosses a block boundary. Models are loaded
+from checkpoint folders by loading.py; the state a run resumes from is resume.py's.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as fn
-from safetensors.torch import save as save_safetensors
 from torch.nn.utils import vector_to_parameters
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -31,9 +30,11 @@ from . import checkpoint
 from .chain import BoundScore, ChainScore, Streams, chain_state, encode_context, score, score_block_alone, score_bound
 from .config import REFERENCE_PART, NoiseConfig, RunConfig
 from .data import random_windows
+from .loading import Chain, block_from, load_chain, load_reference, load_state
 from .model import CleanStream, DiffusionBlock, Reference, make_codebook, parameter_count
 from .noise import loss_weight, sample_sigma, sigma_grid, training_band
 from .progress import Progress, duration
+from .resume import Interrupted, load_resume, logged_step, save_resume
 
 log = logging.getLogger(__name__)
 
@@ -160,85 +161,6 @@ def reference_loss(model: Reference) -> LossFn:
 def autocast(device: torch.device) -> torch.autocast:
     """bf16 autocast on CUDA; a no-op context on the CPU, where fp32 is faster for these sizes."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-
-def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """An optimizer's state (AdamW: step, first and second moments per parameter) as named tensors,
-    so it can be written with safetensors and never with pickle."""
-    return {f"opt.{i}.{key}": torch.as_tensor(value).contiguous()
-            for i, entry in opt.state_dict()["state"].items() for key, value in entry.items()}
-
-
-def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]) -> None:
-    """The inverse of optimizer_tensors (other keys in `tensors` are ignored)."""
-    state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        if key.startswith("opt."):
-            _, index, name = key.split(".", 2)
-            state.setdefault(int(index), {})[name] = value
-    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
-
-
-class Interrupted(Exception):
-    """Training stopped on request (SIGINT/SIGTERM) after saving a state it can resume from."""
-
-    def __init__(self, step: int, path: Path) -> None:
-        super().__init__(f"interrupted at step {step}; resumable state in {path}")
-        self.step, self.path = step, path
-
-
-def resume_name(name: str) -> str:
-    """The checkpoint entry of a trainer's resumable state: weights, AdamW, RNGs, step."""
-    return f"{name}.resume"
-
-
-def save_resume(out: Path, name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
-                cfg: RunConfig, state: dict) -> None:
-    """Everything a rerun needs to continue exactly where this run is: the weights, the optimizer,
-    the data sampler's and the global RNG states (the data position and the noise), the step."""
-    tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
-    tensors.update(optimizer_tensors(opt))
-    tensors["rng.global"] = torch.get_rng_state()
-    tensors["rng.data"] = gen.get_state()
-    if torch.cuda.is_available():
-        tensors["rng.cuda"] = torch.cuda.get_rng_state()
-    checkpoint.save_tensors(out, resume_name(name), tensors, cfg, state)
-
-
-def load_resume(out: Path, name: str, model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator,
-                cfg: RunConfig) -> dict | None:
-    """Restore a resumable state saved in `out` by a run of the same configuration; its record, or
-    None when there is none."""
-    if not (out / f"{resume_name(name)}.json").exists():
-        return None
-    entry = checkpoint.load(out, resume_name(name))
-    if entry.config != cfg:
-        changed = "; ".join(entry.config.differences(cfg))
-        raise checkpoint.CheckpointError(
-            f"{out} holds a resumable {name} trained with another configuration ({changed}): give the flags it was "
-            f"trained with, another --out, or --fresh to start over there")
-    weights = {k.removeprefix("model."): v for k, v in entry.tensors.items() if k.startswith("model.")}
-    load_state(model, checkpoint.Entry(entry.name, entry.config, entry.state, weights, entry.sha256))
-    load_optimizer_tensors(opt, entry.tensors)
-    torch.set_rng_state(entry.tensors["rng.global"])
-    gen.set_state(entry.tensors["rng.data"])
-    if "rng.cuda" in entry.tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(entry.tensors["rng.cuda"])
-    return entry.state
-
-
-def logged_step(line: str) -> float:
-    """The step of a line of a loss history; infinity for a line a killed run left half-written."""
-    try:
-        return float(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return math.inf
-
-
-def clear_run(out: Path, name: str) -> None:
-    """Forget a trainer's resumable state and loss history in `out` (--fresh)."""
-    checkpoint.remove(out, resume_name(name))
-    (out / f"{name}.history.jsonl").unlink(missing_ok=True)
 
 
 @dataclass
@@ -572,61 +494,6 @@ def train_reference(cfg: RunConfig, data: torch.Tensor, out: Path, device: torch
 
 
 # --- evaluation ------------------------------------------------------------------------------------
-
-
-Chain = tuple[RunConfig, list[DiffusionBlock], torch.Tensor]  # a loaded model: config, blocks, codebook
-
-
-def load_chain(folder: str | Path, device: torch.device) -> Chain:
-    """The assembled model in a checkpoint folder: its config, its blocks (eval mode) and codebook."""
-    entries = checkpoint.load_blocks(folder)
-    checkpoint.require_versions_read(entries, folder)
-    cfg = entries[0].config
-    return cfg, [block_from(e, cfg, device, b) for b, e in enumerate(entries)], make_codebook(cfg.model).to(device)
-
-
-def block_from(entry: checkpoint.Entry, cfg: RunConfig, device: torch.device, index: int) -> DiffusionBlock:
-    """Block `index` with the weights of `entry`, in eval mode."""
-    block = DiffusionBlock(cfg.model, cfg.noise.sigma_data, index)
-    load_state(block, entry)
-    return block.to(device).eval()
-
-
-def load_reference(folder: str | Path, device: torch.device) -> tuple[RunConfig, Reference]:
-    entry = checkpoint.load(folder, checkpoint.REFERENCE)
-    model = Reference(entry.config.model)
-    load_state(model, entry)
-    return entry.config, model.to(device).eval()
-
-
-def write_genesis_codebook(reference_folder: str | Path, out: str | Path) -> str:
-    """A genesis codebook from a trained reference's byte embedding (rows normalised); its sha256.
-
-    Every worker of a swarm then loads this file (`codebook_file`, `codebook_sha256`) instead of
-    generating seeded random rows.
-    """
-    _, model = load_reference(reference_folder, torch.device("cpu"))
-    rows = model.tok_emb.weight.detach()
-    blob = save_safetensors({"codebook": (rows / rows.norm(dim=1, keepdim=True)).contiguous()})
-    checkpoint.atomic_write(Path(out), blob)
-    return hashlib.sha256(blob).hexdigest()
-
-
-def load_state(module: torch.nn.Module, entry: checkpoint.Entry) -> None:
-    """Load a checkpoint's weights; a mismatch is one line naming the first difference and the count."""
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(entry.tensors))
-    unexpected = sorted(set(entry.tensors) - set(expected))
-    wrong = [k for k in expected if k in entry.tensors and entry.tensors[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        first = (f"{wrong[0]} is {tuple(entry.tensors[wrong[0]].shape)} where the configuration makes "
-                 f"{tuple(expected[wrong[0]].shape)}" if wrong else
-                 f"{(missing or unexpected)[0]} is {'missing' if missing else 'not part of the model'}")
-        raise checkpoint.CheckpointError(
-            f"{entry.name}: its weights do not fit its configuration ({first}; {len(wrong)} shapes differ, "
-            f"{len(missing)} missing, {len(unexpected)} unexpected): the record and the weights file belong to "
-            f"different models")
-    module.load_state_dict(entry.tensors)
 
 
 def evaluate_chain(model: str | Path | Chain, windows: torch.Tensor, draws: int, seed: int, device: torch.device,

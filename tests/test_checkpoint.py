@@ -7,7 +7,7 @@ from spheroid import checkpoint
 from spheroid.checkpoint import CheckpointError
 from spheroid.config import RunConfig, override
 from spheroid.model import DiffusionBlock
-from spheroid.train import load_chain
+from spheroid.loading import load_chain
 
 
 def save_blocks(folder, cfg: RunConfig, n: int | None = None) -> list[DiffusionBlock]:

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 import torch
 
-from .conftest import ROOT, run_bench
+from spheroid.train import kept_for_backward
 
-sys.path.insert(0, str(ROOT / "bench"))
-from memory import kept_for_backward  # noqa: E402
+from .conftest import run_bench
 
 
 def test_saved_tensors_are_counted_once_per_storage():

@@ -19,14 +19,13 @@ from spheroid.model import (
     packed_kv,
 )
 from spheroid.noise import sigma_grid
+from spheroid.loading import load_chain, write_genesis_codebook
+from spheroid.resume import clear_run
 from spheroid.train import (
     block_loss,
-    clear_run,
-    load_chain,
     make_optimizer,
     train_block,
     train_step,
-    write_genesis_codebook,
 )
 
 from .conftest import randomize

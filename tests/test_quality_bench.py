@@ -10,7 +10,7 @@ import weakref
 import pytest
 from click.testing import CliRunner
 
-from spheroid import cli, train
+from spheroid import cli, loading
 
 from .conftest import ROOT, run_bench
 
@@ -104,7 +104,7 @@ def test_eval_of_a_chain_and_a_reference_holds_one_model_at_a_time(bench_run, da
     blocks, order = [], []
 
     def load_chain(folder, device):
-        chain = train.load_chain(folder, device)
+        chain = loading.load_chain(folder, device)
         blocks.extend(weakref.ref(b) for b in chain[1])
         order.append("chain")
         return chain
@@ -112,7 +112,7 @@ def test_eval_of_a_chain_and_a_reference_holds_one_model_at_a_time(bench_run, da
     def load_reference(folder, device):
         gc.collect()
         order.append("reference" if blocks and all(ref() is None for ref in blocks) else "reference, chain alive")
-        return train.load_reference(folder, device)
+        return loading.load_reference(folder, device)
 
     monkeypatch.setattr(cli, "load_chain", load_chain)
     monkeypatch.setattr(cli, "load_reference", load_reference)

@@ -32,11 +32,13 @@ MARGIN = 2.0  # seconds of slack on any deadline check (the machine may be busy)
 
 @pytest.fixture
 def swarm(tmp_path, data_dir):
-    """Start trainer nodes: swarm(name, block, *flags, seed=NodeProcess or None). All are reaped."""
+    """Start trainer nodes: swarm(name, block, *flags, seed=NodeProcess or None); block "reference" trains
+    a replica of the end-to-end reference. All are reaped."""
     nodes: list[NodeProcess] = []
 
-    def start(name: str, block: int, *flags: str, seed: NodeProcess | None = None, port: int | None = None):
-        args = ["--block", str(block), "--data", str(data_dir), "--out", str(tmp_path / f"{name}-ckpt"), *TINY, *flags]
+    def start(name: str, block: int | str, *flags: str, seed: NodeProcess | None = None, port: int | None = None):
+        part = ["--reference"] if block == "reference" else ["--block", str(block)]
+        args = [*part, "--data", str(data_dir), "--out", str(tmp_path / f"{name}-ckpt"), *TINY, *flags]
         if seed is not None:
             args += ["--peer", seed.addr]
         node = NodeProcess(tmp_path, name, *args, port=port).start()
@@ -286,3 +288,28 @@ def test_a_holder_averaging_its_round_serves_a_joiner_the_next_rounds_state(swar
     assert impatient["round"] == averaging and answered < 0.8 + MARGIN  # (ignoring `within`: 5 s, the close)
     assert message["round"] == averaging + 1 and message.get("left", 1.0) > 0.5  # (absent: not training yet)
     assert waited > 2.5  # (the round's close: --wait, 5 s, since this peer's parts never come)
+
+
+def test_reference_replicas_train_diloco_style_beside_a_block_and_a_joiner_gets_their_state(swarm, tmp_path):
+    """DiLoCo mode: replicas of the whole end-to-end reference average int4 changes with error
+    feedback and a Nesterov outer step through the same rounds as a block's replicas; a block node in
+    the same swarm is not taken for one of them; a joiner fetches their exact state."""
+    flags = ["--every", "5", "--wait", "2", "--n-blocks", "2", "--outer", "nesterov", "--codec", "int4",
+             "--error-feedback", "--lz4"]
+    d1 = swarm("d1", "reference", *flags, "--steps", "30")
+    d2 = swarm("d2", "reference", *flags, "--steps", "30", seed=d1)
+    block = swarm("b0", 0, "--every", "5", "--wait", "2", "--n-blocks", "2", "--steps", "10", seed=d1)
+    states = wait_until(lambda: all_done_and_equal([d1, d2]), 180, "the reference's replicas to finish on one state")
+    s = states[0]
+    assert s["part"] == "reference" and s["counters"]["rounds"] >= 5 and s["counters"]["rejected"] == 0
+    assert s["flops_per_step"] > 0 and s["train_flops"] == pytest.approx(30 * s["flops_per_step"])
+    memory = s["memory_mb"]
+    assert memory["frozen"] == 0 and memory["activations"] > 0 and memory["optimizer"] == pytest.approx(
+        2 * memory["weights"]) and memory["total"] == pytest.approx(sum(v for k, v in memory.items() if k != "total"))
+    assert s["peak_rss_mb"] > 0 and (tmp_path / "d1-ckpt" / "worker-reference.json").exists()
+    b = wait_until(lambda: training(block) if training(block)["done"] else None, 120, "the block node to finish")
+    assert b["part"] == "block" and b["params"] != s["params"] and b["version"]["hash"] != s["version"]["hash"]
+    assert b["memory_mb"]["frozen"] == 0  # (block 0 reads no earlier block)
+    joiner = swarm("j", "reference", *flags, "--steps", "0", seed=d2)
+    joined = wait_until(lambda: all_done_and_equal([d1, d2, joiner]), 60, "the joiner to sync")
+    assert {t["version"]["hash"] for t in joined} == {s["version"]["hash"]}

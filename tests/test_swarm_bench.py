@@ -56,6 +56,34 @@ def test_spheroid_swarm_trains_assembles_and_stops_cleanly(tmp_path, data_dir):
     assert checkpoint.load(out / "model", "block-1").state["round"] >= 1
 
 
+def test_spheroid_swarm_reference_trains_replicas_that_assemble_score_and_generate(tmp_path, data_dir):
+    out = tmp_path / "diloco"
+    model = ["--d-model", "32", "--n-heads", "2", "--layers-per-block", "1", "--n-blocks", "2", "--context", "32",
+             "--batch", "8"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "spheroid", "swarm", "--reference", "--replicas", "2", "--out", str(out), "--data",
+         str(data_dir), "--", "--steps", "30", "--every", "10", "--outer", "nesterov", "--codec", "int4",
+         "--error-feedback", *model],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "ref-b | the reference step" in proc.stdout and "all 2 nodes stopped cleanly" in proc.stdout
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["reference"] and len({n["training"]["version"]["hash"] for n in metrics["nodes"].values()}) == 1
+    assert [a["block"] for a in metrics["assembled"]] == [65535]
+    cfg = checkpoint.read_config(out / "model", checkpoint.REFERENCE)
+    assert (cfg.model.n_blocks, cfg.model.d_model) == (2, 32) and not checkpoint.block_indices(out / "model")
+    scored = subprocess.run([sys.executable, "-m", "spheroid", "eval", str(out / "model"), "--windows", "8", "--json",
+                             "--data", str(data_dir)], capture_output=True, text=True, timeout=120)
+    assert scored.returncode == 0 and 0 < json.loads(scored.stdout)["reference_ce"] < 8
+    text = subprocess.run([sys.executable, "-m", "spheroid", "generate", str(out / "model"), "--prompt", "The ",
+                           "--bytes", "20", "--raw"], capture_output=True, timeout=120)
+    assert text.returncode == 0 and text.stdout.startswith(b"The ") and len(text.stdout) == len(b"The ") + 20 + 1
+    # a count per block is refused with --reference, before any node starts
+    bad = subprocess.run([sys.executable, "-m", "spheroid", "swarm", "--reference", "--replicas", "2,1", "--out",
+                          str(tmp_path / "bad")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "one count" in bad.stderr
+
+
 def consecutive_free_ports(n: int) -> int:
     """The first of n consecutive TCP ports on 127.0.0.1 that are free now."""
     for _ in range(50):

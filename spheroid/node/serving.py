@@ -51,11 +51,11 @@ import torch.nn.functional as fn
 from .. import checkpoint
 from ..chain import DEFAULT_DRAFT, accept_draft, euler_steps, next_traversal, sample_bytes, starting_noise, window_start
 from ..config import RunConfig
+from ..loading import block_from, load_reference
 from ..model import CleanStream, KVCache, Span, make_codebook, packed_causal, packed_kv
 from ..noise import sigma_grid
 from ..pipeline import Hop, NoRoute, build_route, check_route, serving_range
 from ..progress import QuietLog
-from ..train import block_from, load_reference
 from ..wire import ProtocolError, messages
 from .connection import Connection, PeerGone
 from .node import CLIENTS, Node

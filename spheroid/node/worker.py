@@ -43,14 +43,13 @@ from ..averaging import CODECS, AveragingConfig, Closed, Replica, SharedState, V
 from ..checkpoint import CheckpointError
 from ..config import REFERENCE_PART, REFRESH_CODECS, RunConfig, part_name
 from ..data import random_windows
+from ..resume import load_optimizer_tensors, optimizer_tensors
 from ..train import (
     EarlierBlocks,
     costed_step,
     learning_rate,
-    load_optimizer_tensors,
     make_optimizer,
     memory_mb,
-    optimizer_tensors,
     part_trainer,
     peak_rss_mb,
     reads_earlier,
