@@ -51,6 +51,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -194,30 +195,52 @@ def score(run: dict, windows: torch.Tensor) -> None:
     run["ce"] = run["snapshots"][-1]["ce"]
 
 
+class Runs:
+    """The runs made so far, scored, kept in a file after each one: `--resume` makes only the runs
+    missing there (an interrupted invocation loses at most the run it was in), and the results
+    always come from the file."""
+
+    def __init__(self, path: Path, resume: bool) -> None:
+        self.path = path
+        saved = json.loads(path.read_text()) if resume and path.exists() else {}
+        self.runs: dict[str, dict] = saved.get("runs", {})
+        self.provenance = saved.get("provenance") or provenance()
+        if saved:
+            self.provenance["resumed"] = provenance()
+
+    def get(self, name: str, make: Callable[[], dict], windows: torch.Tensor) -> dict:
+        """The run `name`: from the file, else made now, scored and saved."""
+        if name not in self.runs:
+            log.info("running %s", name)
+            run = make()
+            score(run, windows)
+            self.runs[name] = run
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"runs": self.runs, "provenance": self.provenance}))
+            log.info("%s: CE %.4f after %.2f MiB between workers", name, run["ce"],
+                     run["snapshots"][-1]["bytes"] / 2**20)
+        return self.runs[name]
+
+
 def search_diloco(p: dict, n: int, steps: int, spec: LinkSpec, work: Path, data: str | None,
-                  windows: torch.Tensor) -> tuple[dict, list[dict]]:
+                  windows: torch.Tensor, runs: Runs) -> tuple[dict, list[dict]]:
     """Coordinate search over the preset's grid: each setting in turn, the others at their best so
     far. The best run (lowest final CE) and every run made."""
     grid = p["grid"]
     best = {key: values[0] for key, values in grid.items()}
-    runs: dict[tuple, dict] = {}
+    made: dict[str, dict] = {}
 
     def run(setting: dict) -> dict:
-        key = tuple(setting[k] for k in grid)
-        if key not in runs:
-            name = "diloco-h{every}-lr{outer_lr}-{codec}".format(**setting)
-            log.info("running %s", name)
-            row = run_nodes(name, [REFERENCE_PART] * n, diloco_flags(**setting, steps=steps), p, spec, work, data)
-            score(row, windows)
-            runs[key] = {**row, "setting": dict(setting)}
-            log.info("%s: CE %.4f after %.2f MiB", name, row["ce"], row["snapshots"][-1]["bytes"] / 2**20)
-        return runs[key]
+        name = "diloco-h{every}-lr{outer_lr}-{codec}".format(**setting)
+        row = runs.get(name, lambda: {**run_nodes(name, [REFERENCE_PART] * n, diloco_flags(**setting, steps=steps),
+                                                  p, spec, work, data), "setting": dict(setting)}, windows)
+        made[name] = row
+        return row
 
     for key, values in grid.items():
         tried = [run({**best, key: value}) for value in values]
         best = min(tried, key=lambda r: r["ce"])["setting"]
-    winner = run(best)
-    return winner, list(runs.values())
+    return run(best), list(made.values())
 
 
 # --- the results ---------------------------------------------------------------------------------
@@ -325,8 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "runs/peers-<preset>/peers.json)")
     parser.add_argument("--work", type=Path, default=None,
                         help="node folders and snapshots (default runs/peers-<preset>)")
-    parser.add_argument("--summarise", action="store_true",
-                        help="make the results again from the runs a finished invocation left in --work")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs an earlier invocation left in --work (runs.json) and make only the rest")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -342,26 +365,19 @@ def main(argv: list[str] | None = None) -> dict:
     log.info("budget: %.3e FLOPs a row; steps: blocktrain %d per block, e2e %d, diloco %d per worker",
              budget["target_flops"], budget["block_steps"], budget["e2e_steps"], budget["diloco_steps"])
 
-    saved = work / "runs.json"  # the runs, scored: `--summarise` makes the results from them again
-    if args.summarise:
-        done = json.loads(saved.read_text())
-        runs, grid, made = done["runs"], done["grid"], {**done["provenance"], "summarised": provenance()}
-    else:
-        runs = {"blocktrain": run_nodes("blocktrain", list(range(n)), [*blocktrain_flags(p["block_steps"]),
-                                        "--n-blocks", str(n)], p, spec, work, args.data)}
-        score(runs["blocktrain"], windows)
-        runs["diloco"], grid = search_diloco(p, n, budget["diloco_steps"], spec, work, args.data, windows)
-        runs["e2e"] = run_e2e(p, budget["e2e_steps"], work, args.data)
-        score(runs["e2e"], windows)
-        made = provenance()
-        saved.write_text(json.dumps({"runs": runs, "grid": grid, "provenance": made}))
+    store = Runs(work / "runs.json", args.resume)
+    runs = {"blocktrain": store.get("blocktrain", lambda: run_nodes(
+        "blocktrain", list(range(n)), [*blocktrain_flags(p["block_steps"]), "--n-blocks", str(n)], p, spec, work,
+        args.data), windows)}
+    runs["diloco"], grid = search_diloco(p, n, budget["diloco_steps"], spec, work, args.data, windows, store)
+    runs["e2e"] = store.get("e2e", lambda: run_e2e(p, budget["e2e_steps"], work, args.data), windows)
 
     rows = {name: row_summary(run, name) for name, run in runs.items()}
     flops = [r["train_flops"] for r in rows.values()]
     spread = max(flops) / min(flops) - 1
     setting = runs["diloco"]["setting"]
     result = {
-        **made, "preset": args.preset,
+        **store.provenance, "preset": args.preset,
         "link": {"delay_ms_one_way": spec.delay_ms, "mbit": spec.mbit},
         "config": {"run": cfg.to_dict(), "budget": budget, "flops_spread": spread, "flops_matched": spread <= MATCH,
                    "matched_by": "FLOPs per step counted by torch before the runs; e2e and diloco steps set so their "
