@@ -25,7 +25,7 @@ PYTEST_FLAGS ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 export SPHEROID_DATA := $(DATA)
 
-.PHONY: install test lint demo bench-ci bench-small bench-paper clean
+.PHONY: install test lint demo bench-ci bench-small bench-paper results clean
 
 install: $(STAMP)
 
@@ -58,6 +58,11 @@ bench-small: install
 
 bench-paper: install
 	$(PY) bench/quality.py --preset paper
+
+# docs/results.md and the README's results table, from the result files in bench/results
+# (tests/test_report.py fails while they differ)
+results:
+	$(PYTHON) bench/report.py
 
 clean:
 	rm -rf runs .pytest_cache

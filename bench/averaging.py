@@ -35,6 +35,9 @@ down or speeds up over minutes weighs on both alike. Each pair gives a ratio; th
 median and range, and each system's median time and CPU over its K runs. On a shared machine with fewer cores than
 processes the ratio of one pair moves by a tenth or more from run to run: one pair is one sample.
 
+Writes JSON (--out; default runs/averaging.json: the committed result was written with --out
+bench/results/averaging.json), with the commit and command that made it.
+
     python bench/averaging.py [--procs 2,4,8] [--params 4194304] [--rounds 5] [--warmup 40] [--repeats 1]
                               [--out FILE]
 """
@@ -57,6 +60,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from provenance import provenance  # noqa: E402
+
 from spheroid.averaging import AveragingConfig, Replica, SharedState  # noqa: E402
 from spheroid.cli import run_async  # noqa: E402
 from spheroid.config import NodeConfig  # noqa: E402
@@ -295,7 +300,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--interval", type=float, default=3.0, help="seconds between round starts")
     parser.add_argument("--setup-s", type=float, default=120.0,
                         help="the longest to wait for the processes to start and meet")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/averaging.json"))
+    parser.add_argument("--out", type=Path, default=Path("runs/averaging.json"),
+                        help="JSON results (default runs/averaging.json; pass bench/results/averaging.json to "
+                             "commit one)")
     # one process of a run (internal)
     parser.add_argument("--member", choices=["spheroid", "gloo"], help=argparse.SUPPRESS)
     for name, kind in (("--rank", int), ("--n", int), ("--ports", str),
@@ -322,7 +329,8 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append({**run(kind, n, a), "pair": k})
     tensor_bytes = 4 * a.params
     table = [summary(rows, n, tensor_bytes) for n in sorted({r["procs"] for r in rows})]
-    result = {"params": a.params, "tensor_bytes": tensor_bytes, "rounds": a.rounds, "repeats": a.repeats,
+    result = {**provenance(), "params": a.params, "tensor_bytes": tensor_bytes, "rounds": a.rounds,
+              "repeats": a.repeats,
               "warmup": a.warmup, "warmup_interval": a.warmup_interval, "interval": a.interval,
               "table": table, "runs": rows,
               "cpus": os.cpu_count(), "torch": torch.__version__}

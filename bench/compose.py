@@ -6,7 +6,9 @@ scored the same way: the chain from pure noise with a clean context at M = 1 and
 draws where a variant says so), and block 0 alone at sigma_max. The two end-to-end references of
 bench/quality.py (full depth and one block deep) are trained in the same run. Variants that only
 change inference (Euler steps per block, sampler, draws) reuse the blocks of the variant they
-name instead of training again. Writes one JSON row per variant (--out), a PNG and a table.
+name instead of training again. Writes one JSON row per variant (--out; default
+runs/compose-<preset>.json: the committed results were written with --out bench/results/...), with
+the commit and command that made it, a PNG and a table.
 
     python bench/compose.py --preset ci|mini [--only NAME ...] [--out FILE] [--work DIR]
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from provenance import provenance
 
 from spheroid.config import ModelConfig, NoiseConfig, RunConfig, TrainConfig, override
 from spheroid.data import fixed_windows, load_bytes
@@ -217,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="ci")
     parser.add_argument("--only", nargs="+", help="variant names to run (default: the preset's list)")
-    parser.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/compose-<preset>.json)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON (default runs/compose-<preset>.json; pass bench/results/... to commit one)")
     parser.add_argument("--work", type=Path, default=None, help="checkpoints (default runs/compose-<preset>)")
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"))
     parser.add_argument("--device", default=None)
@@ -227,10 +231,10 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = set(names) - {v.name for v in VARIANTS}
     if unknown:
         parser.error(f"unknown variant(s) {sorted(unknown)}; known: {[v.name for v in VARIANTS]}")
-    out = args.out or Path("bench/results") / f"compose-{args.preset}.json"
+    out = args.out or Path("runs") / f"compose-{args.preset}.json"
     work = args.work or Path("runs") / f"compose-{args.preset}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = run(args.preset, names, work, args.data, pick_device(args.device))
+    result = {**provenance(), **run(args.preset, names, work, args.data, pick_device(args.device))}
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))
     print_table(result)

@@ -25,6 +25,9 @@ per batch, K = 1 included): validation CE against K for both models, and for eac
 the bytes drafted by a greedy sweep of its own blocks (8 at a time), or by prompt lookup,
 speculative decoding keeps at temperature 0 (locally).
 
+Writes JSON (--out; default runs/inference-<preset>.json: the committed results were written with
+--out bench/results/...), with the commit and command that made it, and a PNG beside it.
+
     python bench/inference.py [--preset ci|default] [--checkpoint DIR] [--out FILE]
 """
 
@@ -44,15 +47,16 @@ import torch
 import torch.nn.functional as fn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance  # noqa: E402
 from wan import LinkSpec, Network  # noqa: E402
 
 from spheroid import checkpoint  # noqa: E402
-from spheroid.chain import generate as run_generate  # noqa: E402
 from spheroid.config import NodeConfig  # noqa: E402
 from spheroid.data import fixed_windows, load_bytes  # noqa: E402
+from spheroid.decoding import generate as run_generate  # noqa: E402
 from spheroid.launch import free_ports  # noqa: E402
-from spheroid.node.client import fetch_status, remote_generate  # noqa: E402
 from spheroid.loading import load_chain, load_reference  # noqa: E402
+from spheroid.node.client import fetch_status, remote_generate  # noqa: E402
 from spheroid.train import evaluate_chain  # noqa: E402
 
 log = logging.getLogger("bench.inference")
@@ -235,14 +239,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mbit", type=float, default=100.0, help="bandwidth of every link, per direction")
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"), help="WikiText folder")
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON results (default bench/results/inference-<preset>.json)")
+                        help="JSON results (default runs/inference-<preset>.json; pass bench/results/... to "
+                             "commit one)")
     parser.add_argument("--work", type=Path, default=None, help="model and node logs (default runs/inference-<preset>)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     p = PRESETS[args.preset]
     work = args.work or Path("runs") / f"inference-{args.preset}"
     work.mkdir(parents=True, exist_ok=True)
-    out = args.out or Path("bench/results") / f"inference-{args.preset}.json"
+    out = args.out or Path("runs") / f"inference-{args.preset}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     folder = args.checkpoint or work / "model"
     if args.checkpoint is None:
@@ -310,7 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
         chunks = sorted({1, *p["chunks"], *(int(k) for k in mix.split(","))})
         quality = {"mix": mix, "chunks": chunks, "trained_k1": quality_against_k(folder, windows, chunks, prompts, n),
                    "trained_mixed": quality_against_k(mixed, windows, chunks, prompts, n)}
-    result = {"preset": args.preset, "n_bytes": n, "link": {"delay_ms_one_way": spec.delay_ms, "mbit": spec.mbit},
+    result = {**provenance(), "preset": args.preset, "n_bytes": n,
+              "link": {"delay_ms_one_way": spec.delay_ms, "mbit": spec.mbit},
               "hops": len(SPLIT), "prompts": len(prompts), "config": cfg.to_dict(), "modes": rows,
               "concurrent": loads, "speculative": bar, "quality_against_k": quality}
     out.write_text(json.dumps(result, indent=2))

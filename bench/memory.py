@@ -20,7 +20,8 @@ merged layout: one token per position) and `last-block` (the last block as the d
 on chain states, its clean stream relayed from the block before; it also holds and runs the frozen
 blocks before it, forward only: `frozen` is their weights). Every ratio is against the plain
 reference measured in the same run, at the same batch. The same shapes at a larger batch show how
-the fixed runtime weighs.
+the fixed runtime weighs. Writes JSON (--out; default runs/memory-<preset>.json: the committed
+results were written with --out bench/results/...), with the commit and command that made it.
 
     python bench/memory.py [--preset ci|small] [--batches 32,128] [--steps 8] [--out FILE]
 """
@@ -39,6 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance  # noqa: E402
 from quality import PRESETS, preset_config  # noqa: E402
 
 from spheroid import train  # noqa: E402
@@ -168,7 +170,8 @@ def main() -> None:
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default: the preset's, and 4x)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per trainer")
     parser.add_argument("--data", default=None, help="WikiText folder (default: $SPHEROID_DATA)")
-    parser.add_argument("--out", default=None, help="JSON file (default: bench/results/memory-<preset>.json)")
+    parser.add_argument("--out", default=None,
+                        help="JSON file (default: runs/memory-<preset>.json; pass bench/results/... to commit one)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -178,8 +181,8 @@ def main() -> None:
         return
     batch = PRESETS[args.preset]["train"]["batch"]
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [batch, 4 * batch]
-    result = run(args.preset, batches, args.steps, args.data)
-    out = Path(args.out or Path(__file__).parent / "results" / f"memory-{args.preset}.json")
+    result = {**provenance(), **run(args.preset, batches, args.steps, args.data)}
+    out = Path(args.out or Path("runs") / f"memory-{args.preset}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print_table(result)

@@ -263,28 +263,31 @@ def row_summary(run: dict, name: str) -> dict:
             **({"setting": run["setting"]} if "setting" in run else {})}
 
 
-def check_projection(cfg: RunConfig, rows: dict[str, dict], p: dict, setting: dict) -> list[dict]:
-    """spheroid/projection.py at the bench's shape beside the measured figures: the busiest worker's
-    training memory and bytes per optimizer step."""
+def check_projection(cfg: RunConfig, rows: dict[str, dict], setting: dict) -> list[dict]:
+    """spheroid/projection.py at the bench's shape beside the measured figures: the largest worker's
+    training memory (weights, gradients, AdamW moments, what autograd kept for backward, frozen
+    copies: what a node measures) and the busiest worker's bytes per optimizer step."""
+    best = CONFIGS["best"]
+
+    def flag(name: str) -> str:
+        return best[best.index(name) + 1]
+
     checks = []
     for name, row in rows.items():
         if name == "e2e":
-            model = projection.at_bench_shape(cfg, "e2e", workers=1, batch=cfg.train.batch)
+            model = projection.at_bench_shape(cfg, "e2e")
         elif name == "diloco":
             model = projection.at_bench_shape(cfg, "diloco", workers=row["workers"], every=setting["every"],
-                                              codec=setting["codec"], batch=cfg.train.batch)
+                                              codec=setting["codec"], outer="nesterov")
         else:
-            best = CONFIGS["best"]
-            model = projection.at_bench_shape(cfg, "blocktrain", workers=row["workers"],
-                                              every=int(best[best.index("--every") + 1]),
-                                              codec=best[best.index("--codec") + 1],
-                                              refresh_every=int(best[best.index("--refresh-every") + 1]),
-                                              refresh_codec=best[best.index("--refresh-codec") + 1],
-                                              batch=cfg.train.batch)
+            model = projection.at_bench_shape(cfg, "blocktrain", workers=1, every=int(flag("--every")),
+                                              codec=flag("--codec"), refresh_every=int(flag("--refresh-every")),
+                                              refresh_codec=flag("--refresh-codec"))
+        memory = max(sum(w["memory_mib"][k] for k in ("weights", "gradients", "optimizer", "frozen"))
+                     + w["kept_for_backward_mib"] for w in model["workers"])
         steps = max(row["steps_per_worker"].values())
-        checks.append({"name": name, "memory_mb_model": model["memory_mb_max_worker"],
-                       "memory_mb_measured": row["train_memory_mb_max_worker"],
-                       "bytes_per_step_model": model["bytes_per_step_max_worker"],
+        checks.append({"name": name, "memory_mb_model": memory, "memory_mb_measured": row["train_memory_mb_max_worker"],
+                       "bytes_per_step_model": model["bytes_per_step"]["busiest_worker"],
                        "bytes_per_step_measured": row["bytes_max_worker"] / max(steps, 1)})
     return checks
 
@@ -332,9 +335,9 @@ def print_tables(result: dict) -> None:
         print(f"  {ch['name']:<11} training memory of the largest worker {ch['memory_mb_model']:8.2f} MiB model, "
               f"{ch['memory_mb_measured']:8.2f} measured; bytes per step of the busiest "
               f"{ch['bytes_per_step_model']:10.0f} model, {ch['bytes_per_step_measured']:10.0f} measured")
-    print("\nlargest model that trains on one 24 GiB GPU, by the model:")
-    for method, best in result["projection"]["largest"].items():
-        print(f"  {method:<11} {best.get('shape') if isinstance(best, dict) else best}")
+    print("\nlargest model whose largest worker trains on one 24 GiB GPU, by the model (one sequence a step, bf16):")
+    for method, best in result["projection"]["largest_model"].items():
+        print(f"  {method:<14} {best['shape']}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -387,7 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": [rows[k] for k in ("e2e", "diloco", "blocktrain")],
         "grid": [{**g["setting"], "ce": g["ce"], "bytes_total": row_summary(g, g["name"])["bytes_total"],
                   "train_flops": row_summary(g, g["name"])["train_flops"], "wall_s": g["wall_s"]} for g in grid],
-        "projection_check": check_projection(cfg, rows, p, setting),
+        "projection_check": check_projection(cfg, rows, setting),
         "projection": projection.project(),
     }
     out.write_text(json.dumps(result, indent=2))

@@ -10,8 +10,9 @@ Trains, each in its own process (so each trainer's peak memory is its own), S st
 then evaluates on wiki.valid.tokens (the final models also on wiki.valid.raw): the chain from pure
 noise with a clean context at M = 1 and M = 8 draws, block 0 alone, and every reference. The gap is
 measured to the best full-depth reference; what one worker could train alone is the best of the
-one-block-deep references and block 0 alone. Writes JSON (--out), a PNG of validation CE against
-training FLOPs, and prints a table.
+one-block-deep references and block 0 alone. Writes JSON (--out; default runs/quality-<preset>.json:
+the committed results were written with --out bench/results/...), with the commit and command that
+made it, a PNG of validation CE against training FLOPs, and prints a table.
 
     python bench/quality.py --preset ci|small|depth|paper [--out FILE] [--work DIR] [--data DIR] [--device D]
                             [--set GROUP.FIELD=VALUE] [--reuse-references EARLIER_WORK]
@@ -34,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from provenance import provenance
 
 from spheroid.config import ModelConfig, NoiseConfig, RunConfig, TrainConfig
 from spheroid.data import fixed_windows, load_bytes
@@ -126,7 +128,8 @@ def reuse_references(cfg: RunConfig, source: Path, work: Path) -> dict:
 
     Only a block's own settings may differ (the channel, the relay loss, the noise schedule, how
     blocks are fed): anything a reference's training depends on must match, or this refuses."""
-    block_only = {"channel": cfg.model.channel, "relay_loss": cfg.model.relay_loss, "gate_init": cfg.model.gate_init}
+    block_only = {"channel": cfg.model.channel, "relay_loss": cfg.model.relay_loss, "gate_init": cfg.model.gate_init,
+                  "relay_head_hidden": cfg.model.relay_head_hidden, "noisy_anchor": cfg.model.noisy_anchor}
     metrics = {}
     for name, (folder, _) in REFERENCES.items():
         record = source / folder / "reference.json"
@@ -136,7 +139,8 @@ def reuse_references(cfg: RunConfig, source: Path, work: Path) -> dict:
         expected = dataclasses.replace(cfg.model, n_blocks=1 if name in ONE_BLOCK_DEEP else cfg.model.n_blocks,
                                        reference_layout="two_stream" if "two_stream" in name else "plain")
         same_train = dataclasses.replace(trained.train, refresh_every=cfg.train.refresh_every,
-                                         block_input=cfg.train.block_input) == cfg.train
+                                         block_input=cfg.train.block_input, noisy_positions=cfg.train.noisy_positions,
+                                         init_from_previous=cfg.train.init_from_previous) == cfg.train
         if dataclasses.replace(trained.model, **block_only) != expected or not same_train:
             raise SystemExit(f"--reuse-references: {source / folder} was trained with another configuration "
                              f"({trained.model}, {trained.train}); retrain without --reuse-references")
@@ -290,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="ci")
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON results (default bench/results/quality-<preset>.json)")
+                        help="JSON results (default runs/quality-<preset>.json; pass bench/results/... to commit one)")
     parser.add_argument("--work", type=Path, default=None, help="checkpoints and logs (default runs/quality-<preset>)")
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"), help="WikiText folder")
     parser.add_argument("--device", default=None, help="torch device (default cuda when present)")
@@ -310,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     p = PRESETS[args.preset]
     cfg = preset_config(args.preset, args.settings)
-    out = args.out or Path("bench/results") / f"quality-{args.preset}.json"
+    out = args.out or Path("runs") / f"quality-{args.preset}.json"
     work = args.work or Path("runs") / f"quality-{args.preset}"
     work.mkdir(parents=True, exist_ok=True)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -334,9 +338,13 @@ def main(argv: list[str] | None = None) -> dict:
         metrics = train_all(cfg, work, args.data, str(device), jobs, save_every, refresh, reused)
     train_s = None if args.evaluate_only else time.monotonic() - started
     curve, raw = evaluate_all(cfg, work, steps, args.data, device, p["eval_windows"], metrics)
-    result = summarise(cfg, args.preset, p, curve, raw, metrics, jobs, refresh, train_s)
+    result = {**provenance(), **summarise(cfg, args.preset, p, curve, raw, metrics, jobs, refresh, train_s)}
     if args.reuse_references:
-        result["reused_references"] = str(args.reuse_references)  # their wall_s are that run's
+        # their wall_s are that run's; the folder as given, relative to the checkout when inside it
+        reused_at = args.reuse_references.resolve()
+        root = Path(__file__).resolve().parents[1]
+        result["reused_references"] = str(reused_at.relative_to(root) if reused_at.is_relative_to(root)
+                                          else args.reuse_references)
     result.update(device=str(device), torch=torch.__version__, host=platform.node(),
                   total_s=time.monotonic() - started)
     out.write_text(json.dumps(result, indent=2))

@@ -28,6 +28,9 @@ the block's size) and the peers each node sent to in a round (parts and averages
 and state transfers, the peers apart); and how many distinct states each block held at the end,
 after the swarm settled.
 
+Writes JSON (--out; default runs/simulate.json: the committed result was written with --out
+bench/results/simulate.json), with the commit and command that made it.
+
     python bench/simulate.py [--nodes 1000] [--blocks 4] [--minutes 6] [--out FILE]
 """
 
@@ -48,8 +51,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from provenance import provenance  # noqa: E402
+
 from spheroid.averaging import AveragingConfig, Part, Reduced, Replica, SharedState, Version  # noqa: E402
-from spheroid.node.worker import pick_donor  # noqa: E402
+from spheroid.node.upstream import pick_donor  # noqa: E402
 
 log = logging.getLogger("bench.simulate")
 logging.getLogger("spheroid.averaging").setLevel(logging.ERROR)  # refusals are counted, not logged
@@ -436,11 +441,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--blocks", type=int, default=Config.blocks)
     parser.add_argument("--minutes", type=float, default=Config.minutes)
     parser.add_argument("--partition", default="120,180", help="seconds FROM,TO of the partition")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/simulate.json"))
+    parser.add_argument("--out", type=Path, default=Path("runs/simulate.json"),
+                        help="JSON results (default runs/simulate.json; pass bench/results/simulate.json to "
+                             "commit one)")
     a = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     lo, hi = (float(x) for x in a.partition.split(","))
-    result = simulate(Config(nodes=a.nodes, blocks=a.blocks, minutes=a.minutes, partition=(lo, hi)))
+    result = {**provenance(), **simulate(Config(nodes=a.nodes, blocks=a.blocks, minutes=a.minutes,
+                                                 partition=(lo, hi)))}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=2))

@@ -17,9 +17,16 @@ of the state transfers by which each node refreshes its frozen copies of the ear
   best   int2 updates (-1, 0 or 1 times a scale per 256 values, lz4 where it helps) with error
          feedback every H = 100 local steps, plain averaging, 1.5 times the local steps, and
          refreshes of the earlier blocks by their change from the copy held, in int2, at most
-         every 300 steps: the best of the variants tried (README)
+         every 300 steps: the best of the variants tried (docs/history.md)
 
-Writes JSON (--out), a PNG of CE against bytes moved, and prints a table.
+Two byte counts: `MiB sent` is what the nodes sent to each other (the figure the comparison and
+the plot use); `MiB in+out` is what a node's own status line and `spheroid swarm`'s `moved` show,
+summed over the nodes: sent plus received, client traffic (these status requests and assemblies)
+included, so each node-to-node byte counts twice there.
+
+Writes JSON (--out; default runs/swarm-<preset>.json, so that no run replaces a committed result:
+the committed ones were written with --out bench/results/...), with the commit and command that made
+it, a PNG of CE against bytes moved beside it, and prints a table.
 
     python bench/swarm.py [--preset ci|default] [--only paper,best] [--out FILE]
 """
@@ -39,6 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from provenance import provenance  # noqa: E402
 from wan import LinkSpec, Network  # noqa: E402
 
 from spheroid.config import REFERENCE_PART, parse_addr  # noqa: E402
@@ -72,6 +80,12 @@ PRESETS: dict[str, dict] = {
 def swarm_bytes(members) -> int:
     """Bytes the nodes sent to each other (their own counters, client traffic left out)."""
     return sum(m.status["swarm_traffic"]["sent"]["wire_bytes"] for m in members if m.status)
+
+
+def moved_bytes(nodes: dict) -> int:
+    """What the nodes' own status lines call moved, summed over them: sent plus received, clients included."""
+    return sum(n["traffic"]["sent"]["wire_bytes"] + n["traffic"]["received"]["wire_bytes"]
+               for n in nodes.values() if "traffic" in n)
 
 
 def node_flags(preset_flags: list[str], flags: list[str]) -> list[str]:
@@ -132,12 +146,13 @@ def run_swarm(folder: Path, run_flags: list[str], parts: list[int], spec: LinkSp
                               "flops": sum(t.get("train_flops", 0.0) for t in trained), "folder": str(out)})
             for m in members:
                 log.info("%s %s", folder.name, status_line(m))
-        final = {m.name: {"training": m.status["training"], "swarm_traffic": m.status["swarm_traffic"]}
-                 for m in members}
+        final = {m.name: {"training": m.status["training"], "swarm_traffic": m.status["swarm_traffic"],
+                          "traffic": m.status["traffic"]} for m in members}
         codes = local.stop()
     return {"snapshots": snapshots, "nodes": final, "exit_codes": codes, "wall_s": time.monotonic() - started,
             "link_bytes": sum(sum(link.bytes.values()) for link in net.links),
-            "refresh_bytes": sum(n["training"].get("earlier", {}).get("bytes", 0) for n in final.values())}
+            "refresh_bytes": sum(n["training"].get("earlier", {}).get("bytes", 0) for n in final.values()),
+            "moved_bytes": moved_bytes(final)}
 
 
 def score(run: dict, windows: torch.Tensor) -> None:
@@ -198,13 +213,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mbit", type=float, default=50.0, help="bandwidth of every link, per direction")
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"), help="WikiText folder")
     parser.add_argument("--out", type=Path, default=None,
-                        help="JSON results (default bench/results/swarm-<preset>.json)")
+                        help="JSON results (default runs/swarm-<preset>.json; pass bench/results/... to commit one)")
     parser.add_argument("--work", type=Path, default=None,
                         help="node folders and snapshots (default runs/swarm-<preset>)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     p = PRESETS[args.preset]
-    out = args.out or Path("bench/results") / f"swarm-{args.preset}.json"
+    out = args.out or Path("runs") / f"swarm-{args.preset}.json"
     work = args.work or Path("runs") / f"swarm-{args.preset}"
     out.parent.mkdir(parents=True, exist_ok=True)
     spec = LinkSpec(args.delay_ms, args.mbit)
@@ -221,16 +236,19 @@ def main(argv: list[str] | None = None) -> dict:
         log.info("running %s: %s", name, " ".join(flags))
         runs[name] = run_config(name, flags, p, spec, work, args.data)
         score(runs[name], windows)
-    result = {"preset": args.preset, "link": {"delay_ms_one_way": spec.delay_ms, "mbit": spec.mbit},
+    result = {**provenance(), "preset": args.preset, "link": {"delay_ms_one_way": spec.delay_ms, "mbit": spec.mbit},
               "swarm": {"blocks": p["blocks"], "replicas": p["replicas"], "node_flags": p["flags"]},
               "runs": runs, "comparison": compare(runs)}
     out.write_text(json.dumps(result, indent=2))
     plot(runs, out.with_suffix(".png"))
-    print(f"\n{'config':<7} {'flags':<44} {'final CE':>9} {'MiB moved':>10} {'refresh MiB':>12} {'wall s':>7}")
+    print(f"\n{'config':<7} {'flags':<44} {'final CE':>9} {'MiB sent':>9} {'MiB in+out':>11} {'refresh MiB':>12} "
+          f"{'wall s':>7}")
     for name, run in runs.items():
         last = run["snapshots"][-1]
-        print(f"{name:<7} {' '.join(run['flags']):<44} {last['ce']:>9.4f} {last['bytes'] / 2**20:>10.2f} "
-              f"{run['refresh_bytes'] / 2**20:>12.2f} {last['wall_s']:>7.0f}")
+        print(f"{name:<7} {' '.join(run['flags']):<44} {last['ce']:>9.4f} {last['bytes'] / 2**20:>9.2f} "
+              f"{run['moved_bytes'] / 2**20:>11.2f} {run['refresh_bytes'] / 2**20:>12.2f} {last['wall_s']:>7.0f}")
+    print("MiB sent: what the nodes sent each other, at the last snapshot (the comparison's bytes); MiB in+out: "
+          "sent plus received at the end, clients included (the nodes' `moved`), summed over the nodes")
     c = result["comparison"]
     for name, row in c.get("configs", {}).items():
         if name == "paper":

@@ -9,6 +9,9 @@
 (c) Encoded size relative to float32 for every codec, on real block weights and on real weight
     deltas (the change of a block over a few steps of a short training run on WikiText).
 
+Writes JSON (--out; default runs/wire.json: the committed result was written with --out
+bench/results/wire.json), with the commit and command that made it.
+
     python bench/wire.py [--mib 64] [--repeats 3] [--out FILE]
 """
 
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from provenance import provenance
 
 from spheroid.cli import run_async
 from spheroid.config import ModelConfig, NodeConfig, RunConfig, TrainConfig
@@ -196,7 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train-steps", type=int, default=40, help="steps of the run that makes real deltas")
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"))
-    parser.add_argument("--out", type=Path, default=Path("bench/results/wire.json"))
+    parser.add_argument("--out", type=Path, default=Path("runs/wire.json"),
+                        help="JSON results (default runs/wire.json; pass bench/results/wire.json to commit one)")
     parser.add_argument("--sink", type=int, help=argparse.SUPPRESS)  # internal: run the raw-socket sink
     args = parser.parse_args(argv)
     if args.sink:
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     log.info("(c) size ratios on real block weights and deltas (%d training steps)", args.train_steps)
     weights, delta = real_weights(args.data, args.train_steps)
     ratios = sizes("block weights", weights) + sizes("weight delta (10 steps)", delta)
-    result = {"transfer": moved, "throughput": speed, "sizes": ratios, "torch": torch.__version__,
+    result = {**provenance(), "transfer": moved, "throughput": speed, "sizes": ratios, "torch": torch.__version__,
               "weights_elements": weights.numel()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

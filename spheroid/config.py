@@ -14,8 +14,10 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-# how a swarm node may refresh its copies of earlier blocks: fp32 snapshots, or changes in a codec
-REFRESH_CODECS = ("fp32", "fp16", "bf16", "int8", "int4", "int2")
+from .wire.tensors import CODEC_OPTIONS
+
+# how a swarm node may refresh its copies of earlier blocks: fp32 snapshots, or changes in a lossy codec
+REFRESH_CODECS = tuple(CODEC_OPTIONS)
 # the number that names the end-to-end reference wherever the wire and a node name the part of the
 # model they train (`blocks` in hello, `block` in version, update, state_get...): replicas of the
 # whole reference (data-parallel local SGD, DiLoCo-style) average through the same messages as a
@@ -78,6 +80,14 @@ class ModelConfig:
     # (the references'), 0 = AdaLN-Zero (every layer starts as the identity, as in DiT); with the
     # relay loss, 1 made the depth preset's chain 0.009 better and its block 0 0.06 (docs/compose.md)
     gate_init: float = 1.0
+    # the relay loss's head: 0 = a linear readout (LayerNorm, then d x 256); H > 0 = a small MLP
+    # (LayerNorm, d x H, GELU, H x 256), used only for the local loss and never relayed (docs/compose.md)
+    relay_head_hidden: int = 0
+    # what a block's noisy token carries of its anchor position besides its noisy target: "embedding" =
+    # the anchor byte's embedding (and, with the relay channel, the previous block's clean-stream
+    # output there); "stream" = this block's own clean-stream output there (what it hands on, so the
+    # denoiser's loss trains it directly); concat layout only (docs/compose.md)
+    noisy_anchor: str = "embedding"
     # the end-to-end reference's layout: "plain" (a causal transformer) or "two_stream" (the blocks'
     # clean stream plus one query token per position, nothing noisy); ignored by blocks
     reference_layout: str = "plain"
@@ -106,6 +116,12 @@ class ModelConfig:
             raise ValueError("the merged layout has no clean stream to relay: use channel 'z' with it")
         if self.relay_loss < 0:
             raise ValueError(f"relay_loss must be >= 0, got {self.relay_loss}")
+        if self.relay_head_hidden < 0:
+            raise ValueError(f"relay_head_hidden must be >= 0, got {self.relay_head_hidden}")
+        if self.noisy_anchor not in ("embedding", "stream"):
+            raise ValueError(f"noisy_anchor must be 'embedding' or 'stream', got {self.noisy_anchor!r}")
+        if self.noisy_anchor == "stream" and self.layout != "concat":
+            raise ValueError("noisy_anchor 'stream' needs the concat layout's clean stream")
         if self.reference_layout not in ("plain", "two_stream"):
             raise ValueError(f"reference_layout must be 'plain' or 'two_stream', got {self.reference_layout!r}")
 
@@ -163,6 +179,13 @@ class TrainConfig:
     # mixed chunk sizes: each batch trains under the chunk mask of a K drawn uniformly from these, so
     # one checkpoint serves ar (K = 1), sweeps and drafts; empty = always the model's chunk
     chunks: tuple[int, ...] = ()
+    # block b starts from the weights of block b-1 as it read it (every tensor of the same name and
+    # shape), instead of its seeded genesis state; for blocks trained in order (docs/compose.md)
+    init_from_previous: bool = False
+    # noisy tokens per training sequence: 0 = one per position (all of them); N = one aligned segment
+    # of N positions, drawn per batch (the clean stream and the relay loss still cover every
+    # position), so the denoiser, and the chain states the earlier blocks compute, cost N/context
+    noisy_positions: int = 0
 
     def __post_init__(self) -> None:
         require_finite(self)
@@ -171,6 +194,8 @@ class TrainConfig:
             raise ValueError(f"chunks must be sizes of at least 1, got {list(self.chunks)}")
         if self.refresh_every < 0:
             raise ValueError(f"need refresh_every >= 0, got {self.refresh_every}")
+        if self.noisy_positions < 0:
+            raise ValueError(f"need noisy_positions >= 0, got {self.noisy_positions}")
         if self.refresh_codec not in REFRESH_CODECS:
             raise ValueError(f"refresh_codec must be one of {', '.join(REFRESH_CODECS)}, got {self.refresh_codec!r}")
         if self.block_input not in ("noised", "chain"):
@@ -190,6 +215,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.train.chunks and max(self.train.chunks) > self.model.context:
             raise ValueError(f"chunk sizes {list(self.train.chunks)} must be at most the context, {self.model.context}")
+        if self.train.noisy_positions and self.model.context % self.train.noisy_positions:
+            raise ValueError(f"noisy_positions {self.train.noisy_positions} must divide the context, "
+                             f"{self.model.context}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

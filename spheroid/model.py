@@ -290,6 +290,7 @@ class BlockNet(nn.Module):
         self.ada_out = nn.Linear(d, 2 * d)
         self.out = nn.Linear(d, d)
         self.layout = cfg.layout
+        self.noisy_anchor = cfg.noisy_anchor
 
     def encode(self, x: torch.Tensor, stream: CleanStream, relay: torch.Tensor | None) -> None:
         """Extend `stream` over the bytes of x (B, L) it has not seen: a plain causal pass whose keys
@@ -356,10 +357,15 @@ class BlockNet(nn.Module):
         # each noisy token also carries the last clean byte its chunk may see (its anchor), so the
         # nearest context is at hand from the first step instead of having to be found by attention;
         # with the relay channel, also the previous block's clean-stream output there
+        # (noisy_anchor "stream": instead, this block's own clean-stream output there, which holds both)
         parts = []
-        for span, relay in zip(spans, relays, strict=True):
+        for span, relay, stream in zip(spans, relays, streams, strict=True):
             anchor = span.start + (torch.arange(span.n, device=span.x.device) // span.chunk) * span.chunk  # (N,)
-            part = self.tok_emb(span.x[:, anchor]) + self.pos_emb[span.start : span.start + span.n]  # (B, N, d)
+            position = self.pos_emb[span.start : span.start + span.n]
+            if self.noisy_anchor == "stream":
+                parts.append(stream.out[:, anchor] + position)  # (B, N, d)
+                continue
+            part = self.tok_emb(span.x[:, anchor]) + position  # (B, N, d)
             parts.append(part if relay is None else part + relay[:, anchor])
         noisy = self.noisy_in(z_in) + (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
         noisy_cond = self.noise_emb(c_noise)[:, None, :]  # (B, 1, d)
@@ -409,7 +415,7 @@ class DiffusionBlock(nn.Module):
         self.head_norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab)
         # the relay loss's head: reads next-byte logits off the clean stream this block hands on
-        self.relay_head = (nn.Sequential(nn.LayerNorm(cfg.d_model), nn.Linear(cfg.d_model, cfg.vocab))
+        self.relay_head = (relay_head(cfg)
                            if cfg.channel == "relay" and cfg.relay_loss and index < cfg.n_blocks - 1 else None)
         init_weights(self)
         for layer in self.net.layers:  # AdaLN: no shift or scale at first; gates at cfg.gate_init
@@ -484,6 +490,26 @@ class DiffusionBlock(nn.Module):
         return None if self.relay_head is None else self.relay_head(stream.out)
 
 
+def relay_head(cfg: ModelConfig) -> nn.Sequential:
+    """The relay loss's head: LayerNorm, then a linear readout to logits, or a small MLP
+    (`relay_head_hidden` wide) that only the local loss reads."""
+    d, hidden = cfg.d_model, cfg.relay_head_hidden
+    if not hidden:
+        return nn.Sequential(nn.LayerNorm(d), nn.Linear(d, cfg.vocab))
+    return nn.Sequential(nn.LayerNorm(d), nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, cfg.vocab))
+
+
+def inherit(block: nn.Module, previous: nn.Module) -> int:
+    """Copy into `block` every tensor of `previous` with the same name and shape (block b starting
+    from block b-1's weights, `init_from_previous`); returns how many tensors were copied."""
+    theirs = previous.state_dict()
+    mine = {k: v for k, v in block.state_dict().items() if k in theirs and theirs[k].shape == v.shape}
+    with torch.no_grad():
+        for k, v in mine.items():
+            v.copy_(theirs[k])
+    return len(mine)
+
+
 class Reference(nn.Module):
     """The end-to-end baseline, next-byte CE, in one of two layouts (ModelConfig.reference_layout):
 
@@ -515,14 +541,19 @@ class Reference(nn.Module):
         if not self.two_stream:
             for layer in self.layers:
                 h = layer(h, None)
-            return self.head(self.norm(h))
+            return self.read_off(h)
         query, n = h, x.shape[1]  # query token p: x_p at position p
         mask = noisy_rows(n, n, 0, 1, x.device)  # (T, 2T): clean bytes up to p, and itself
         for layer in self.layers:
             kv = KVCache()
             h = layer(h, None, cache=kv)
             query = layer(query, mask, memory=kv)
-        return self.head(self.norm(query))
+        return self.read_off(query)
+
+    def read_off(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-byte logits (..., V) from the last layer's hidden states (..., d): on one machine (`forward`),
+        or on a reference pipeline's last node."""
+        return self.head(self.norm(h))
 
     def embed(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Bytes at positions start.. -> the first layer's input (B, T, d)."""

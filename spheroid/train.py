@@ -31,7 +31,7 @@ from .chain import BoundScore, ChainScore, Streams, chain_state, encode_context,
 from .config import REFERENCE_PART, NoiseConfig, RunConfig
 from .data import random_windows
 from .loading import Chain, block_from, load_chain, load_reference, load_state
-from .model import CleanStream, DiffusionBlock, Reference, make_codebook, parameter_count
+from .model import CleanStream, DiffusionBlock, Reference, inherit, make_codebook, parameter_count
 from .noise import loss_weight, sample_sigma, sigma_grid, training_band
 from .progress import Progress, duration
 from .resume import Interrupted, load_resume, logged_step, save_resume
@@ -83,15 +83,16 @@ def block_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook: torc
     def loss(windows: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, float]:
         x, y = windows[:, :-1], windows[:, 1:]  # (B, T)
         k = chunk(gen)
+        start, n = noisy_span(cfg, x.shape[1], gen)
         sigma = sample_sigma(cfg.noise, lo, hi, x.shape[0], gen).to(x.device)  # one level per sequence
-        eps = torch.randn(*y.shape, codebook.shape[1], device=x.device)  # global RNG, seeded per run
-        z = codebook[y] + sigma[:, None, None] * eps  # (B, T, d)
+        eps = torch.randn(x.shape[0], n, codebook.shape[1], device=x.device)  # global RNG, seeded per run
+        z = codebook[y[:, start : start + n]] + sigma[:, None, None] * eps  # (B, n, d)
         own = CleanStream(len(block.net.layers))
         with autocast(x.device):
             streams = encode_context(earlier, x) if block.reads_relay else {}
-            logits = block(x, z, sigma, 0, k, stream=own, previous=streams.get(index - 1))
+            logits = block(x, z, sigma, start, k, stream=own, previous=streams.get(index - 1))
             relay = relay_ce(block, own, y)
-        ce = fn.cross_entropy(logits.float().transpose(1, 2), y, reduction="none").mean(dim=1)  # (B,)
+        ce = fn.cross_entropy(logits.float().transpose(1, 2), y[:, start : start + n], reduction="none").mean(dim=1)
         return (loss_weight(sigma, cfg.noise.sigma_data) * ce).mean() + cfg.model.relay_loss * relay, ce.mean().item()
 
     return loss
@@ -116,16 +117,17 @@ def chain_state_loss(block: DiffusionBlock, cfg: RunConfig, index: int, codebook
         x, y = windows[:, :-1], windows[:, 1:]
         level = levels[int(torch.randint(len(levels), (1,), generator=gen))]
         k = chunk(gen)  # the chain runs, and this block trains, under the chunk mask of one K
+        start, n = noisy_span(cfg, x.shape[1], gen)
         streams: Streams = {}
         with autocast(x.device):
-            z = chain_state(stack, cfg.noise, codebook, x, x.shape[1], None, steps=level, chunk=k, streams=streams)
+            z = chain_state(stack, cfg.noise, codebook, x, n, None, steps=level, start=start, chunk=k, streams=streams)
             if block.reads_relay:  # the frozen blocks' streams, also where the chain has not run them
                 encode_context(earlier, x, streams)
             sigma = torch.full((x.shape[0],), grid[level], device=x.device)
             own = CleanStream(len(block.net.layers))  # its own stream, with gradient
-            logits = block(x, z.float(), sigma, 0, k, stream=own, previous=streams.get(index - 1))
+            logits = block(x, z.float(), sigma, start, k, stream=own, previous=streams.get(index - 1))
             relay = relay_ce(block, own, y)
-        ce = fn.cross_entropy(logits.float().transpose(1, 2), y)
+        ce = fn.cross_entropy(logits.float().transpose(1, 2), y[:, start : start + n])
         return ce + cfg.model.relay_loss * relay, ce.item()
 
     return loss
@@ -135,6 +137,15 @@ def chunk_sampler(cfg: RunConfig) -> Callable[[torch.Generator], int]:
     """The chunk size K of each batch: the model's, or one drawn from train.chunks (mixed K)."""
     chunks = cfg.train.chunks or (cfg.model.chunk,)  # (RunConfig keeps them within the context)
     return lambda gen: chunks[int(torch.randint(len(chunks), (1,), generator=gen))] if len(chunks) > 1 else chunks[0]
+
+
+def noisy_span(cfg: RunConfig, length: int, gen: torch.Generator) -> tuple[int, int]:
+    """(start, n): the positions of a batch's noisy tokens. All of them, or with train.noisy_positions
+    N one aligned segment of N, drawn from `gen` (which is then not touched otherwise)."""
+    n = cfg.train.noisy_positions
+    if not n or n >= length:
+        return 0, length
+    return n * int(torch.randint(length // n, (1,), generator=gen)), n
 
 
 def relay_ce(block: DiffusionBlock, stream: CleanStream, y: torch.Tensor) -> torch.Tensor:
@@ -428,6 +439,8 @@ def block_trainer(cfg: RunConfig, index: int, out: Path | None, device: torch.de
         raise ValueError(f"--block {index} is outside 0..{cfg.model.n_blocks - 1}")
     earlier = EarlierBlocks(out, index, cfg, device) if reads_earlier(cfg) else None
     block = genesis_block(cfg, index).to(device)
+    if cfg.train.init_from_previous and index and earlier:  # block b starts where block b-1 ended
+        log.info("block %d: %d tensors from block %d", index, inherit(block, earlier.blocks[-1]), index - 1)
     codebook = make_codebook(cfg.model).to(device)
     frozen = earlier.blocks if earlier else []
     if cfg.train.block_input == "chain":

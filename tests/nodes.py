@@ -85,6 +85,24 @@ def wait_until(check: Callable, timeout: float, what: str, interval: float = 0.3
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
+def make_certs(folder: Path) -> dict[str, Path]:
+    """A swarm's CA, a certificate it signed (and its key), and a self-signed one it did not sign, as PEM
+    files in folder: {"ca", "cert", "key", "rogue", "rogue_key"}."""
+    files = {name: folder / f"{name}.pem" for name in ("ca", "ca_key", "cert", "key", "csr", "rogue", "rogue_key")}
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+    for cert, key, name in (("ca", "ca_key", "swarm-ca"), ("rogue", "rogue_key", "rogue")):
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(files[key]), "-out", str(files[cert]),
+                "-days", "1", "-subj", f"/CN={name}")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(files["key"]), "-out", str(files["csr"]),
+            "-subj", "/CN=member")
+    openssl("x509", "-req", "-in", str(files["csr"]), "-CA", str(files["ca"]), "-CAkey", str(files["ca_key"]),
+            "-CAcreateserial", "-out", str(files["cert"]), "-days", "1")
+    return files
+
+
 def hello(**fields) -> dict:
     base = {"t": "hello", "id": 1, "version": VERSION, "swarm": "spheroid", "node": os.urandom(16).hex(),
             "addr": "", "role": "client", "blocks": [], "nonce": os.urandom(16), "auth": False,

@@ -6,8 +6,8 @@ import torch
 from spheroid import checkpoint
 from spheroid.checkpoint import CheckpointError
 from spheroid.config import RunConfig, override
-from spheroid.model import DiffusionBlock
 from spheroid.loading import load_chain
+from spheroid.model import DiffusionBlock
 
 
 def save_blocks(folder, cfg: RunConfig, n: int | None = None) -> list[DiffusionBlock]:

@@ -171,7 +171,8 @@ def test_version_help_and_verbosity_on_every_subcommand():
                     if p.param_type_name == "option" and not p.help]
     assert not undocumented
     node = runner.invoke(main, ["node", "--help"]).output
-    assert "--reference " not in node and "`train` only" not in node
+    # (node's --reference is its own: replicas of the end-to-end reference, not train's flag)
+    assert "DiLoCo" in node.split("  --reference", 1)[1][:400] and "`train` only" not in node
 
 
 def test_config_takes_a_checkpoint_record_and_refuses_unknown_tables(block0, tmp_path, data_dir):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as fn
 
-from spheroid.chain import (
+from spheroid.decoding import (
     accept_draft,
     generate,
     lookup_draft,

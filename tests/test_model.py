@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from spheroid import checkpoint
-from spheroid.chain import denoise, encode_context, euler_steps, generate, score, score_bound
+from spheroid.chain import denoise, encode_context, euler_steps, score, score_bound
 from spheroid.checkpoint import CheckpointError
 from spheroid.config import ModelConfig, RunConfig, override
+from spheroid.decoding import generate
+from spheroid.loading import load_chain, write_genesis_codebook
 from spheroid.model import (
     CleanStream,
     DiffusionBlock,
@@ -19,7 +21,6 @@ from spheroid.model import (
     packed_kv,
 )
 from spheroid.noise import sigma_grid
-from spheroid.loading import load_chain, write_genesis_codebook
 from spheroid.resume import clear_run
 from spheroid.train import (
     block_loss,

@@ -13,14 +13,24 @@ import pytest
 
 from spheroid.config import NodeConfig
 from spheroid.node.accounting import Traffic
-from spheroid.node.connection import Connection, PeerGone, dial
+from spheroid.node.connection import Connection, PeerGone, PeerRefused, TlsFailed, dial
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node, PeerInfo
 from spheroid.wire import VERSION, ProtocolError, encode
 from spheroid.wire.messages import Message, Peers, PeersReply, Status
 from spheroid.wire.session import Session
 
-from .nodes import NodeProcess, free_port, handshake_then, hello, raw_exchange, stop_all, wait_until
+from .nodes import (
+    NodeProcess,
+    RawPeer,
+    free_port,
+    handshake_then,
+    hello,
+    make_certs,
+    raw_exchange,
+    stop_all,
+    wait_until,
+)
 from .test_wire import MALFORMED
 
 VECTORS = Path(__file__).resolve().parents[1] / "proto" / "vectors"
@@ -97,6 +107,94 @@ def test_wrong_secret_is_rejected_before_any_other_message(tmp_path):
         assert status["authenticated"] and status["traffic_by_type"]["sent"]["status_reply"]["frames"] == 1
     finally:
         assert n.stop() == 0
+
+
+def test_a_secret_mistake_is_named_on_both_sides(tmp_path):
+    """A client without the swarm's secret, or with another, is told which and what to give; the node logs
+    the cause and the client's address."""
+    (tmp_path / "secret").write_text("the swarm's secret\n")
+    n = NodeProcess(tmp_path, "locked", "--secret-file", str(tmp_path / "secret")).start()
+    try:
+        n.wait_ready(secret=b"the swarm's secret")
+        with pytest.raises((PeerGone, ProtocolError)) as err:
+            n.status()
+        assert str(err.value) == (f"the node at {n.addr} has a swarm secret and this client has none (auth_required): "
+                                  "give this client --secret-file with the swarm's secret")
+        with pytest.raises(PeerRefused) as err:
+            n.status(secret=b"another secret")
+        assert str(err.value) == (f"the node at {n.addr} refused this client's swarm secret (auth_failed): "
+                                  "--secret-file does not hold the swarm's secret")
+    finally:
+        assert n.stop() == 0
+    log = n.log.read_text()
+    assert "refused 127.0.0.1:" in log
+    assert ": this node has a swarm secret (--secret-file) and the peer has none (auth_required)" in log
+    assert ": the peer failed to prove the swarm secret (auth_failed): its --secret-file holds another secret" in log
+
+
+def test_a_tls_mistake_is_named_on_both_sides(tmp_path):
+    """Against a node with TLS and a swarm CA: a client without TLS, one whose certificate the CA did not sign,
+    and one whose CA did not sign the node's; and a client with TLS against a node without. Each client's error
+    names the cause and the flag to give, and the node that refused logs the cause and the client's address
+    (asyncio's TLS would have dropped each without a word: "? closed the connection")."""
+    pem = make_certs(tmp_path)
+    tls = {"tls_cert": str(pem["cert"]), "tls_key": str(pem["key"]), "tls_ca": str(pem["ca"])}
+    t = NodeProcess(tmp_path, "t", *(arg for key, path in tls.items() for arg in (f"--{key.replace('_', '-')}", path)))
+    plain = NodeProcess(tmp_path, "plain")
+    t.start()
+    plain.start()
+    try:
+        assert t.wait_ready(cfg=tls)["tls"]
+        plain.wait_ready()
+        with pytest.raises(PeerRefused) as err:
+            t.status()
+        assert str(err.value) == (f"the node at {t.addr} speaks TLS and this client does not (tls_required): give "
+                                  "--tls-cert and --tls-key (and the swarm's CA as --tls-ca)")
+        with pytest.raises((PeerGone, TlsFailed), match="refused this side's certificate.*--tls-ca"):
+            t.status(cfg={**tls, "tls_cert": str(pem["rogue"]), "tls_key": str(pem["rogue_key"])})
+        with pytest.raises(TlsFailed, match=f"TLS with {t.addr} failed: its certificate is not signed by this "
+                                            "side's --tls-ca"):
+            t.status(cfg={**tls, "tls_ca": str(pem["rogue"])})
+        with pytest.raises(TlsFailed, match=f"TLS with {plain.addr} failed: it does not speak TLS: give both sides "
+                                            "--tls-cert and --tls-key"):
+            plain.status(cfg=tls)
+        assert t.status(cfg=tls)["tls"]  # (and the node serves on)
+    finally:
+        assert stop_all([t, plain]) == [0, 0]
+    log = t.log.read_text()
+    refused = [line.split("refused 127.0.0.1:", 1)[1] for line in log.splitlines() if "refused 127.0.0.1:" in line]
+    causes = [line.split(": ", 1)[1] for line in refused]
+    assert causes[0] == ("it does not speak TLS and this node does (it needs --tls-cert and --tls-key, and the "
+                         "swarm's CA as --tls-ca)")
+    assert causes[1].startswith("its certificate is not signed by this node's --tls-ca")
+    assert "refused this node's certificate" in causes[2] and len(causes) == 3
+    assert "refused 127.0.0.1:" in plain.log.read_text() and "the peer speaks TLS and this side does not" in (
+        plain.log.read_text())
+
+
+def test_a_reply_to_no_request_of_the_nodes_is_refused_and_one_to_its_request_taken(node):
+    """PROTOCOL.md, section 2: a reply whose `re` names no outstanding request of the receiver's is
+    `unexpected`. A peer answers the node's own `peers` request (kept), then answers it again (refused)."""
+    got = handshake_then(node.addr, encode({"t": "status_reply", "id": 2, "re": 77, "status": {}}))
+    assert [m["t"] for m in got] == ["hello", "error"] and got[-1]["code"] == "unexpected"
+    peer = RawPeer(node.addr)
+    try:
+        peer.send(hello(role="worker", node="ab" * 16))
+        assert peer.receive()[0]["t"] == "hello"
+        while (asked := peer.receive()[0])["t"] != "peers":  # (the node gossips with a peer that joins)
+            pass
+        peer.send({"t": "peers_reply", "id": 2, "re": asked["id"], "peers": []})
+        peer.send({"t": "status", "id": 3})
+        while (reply := peer.receive()[0])["t"] == "peers":
+            pass
+        assert reply["t"] == "status_reply" and reply["re"] == 3  # the answer was taken: still open
+        peer.send({"t": "peers_reply", "id": 4, "re": asked["id"], "peers": []})
+        while (refusal := peer.receive()[0])["t"] != "error":
+            pass
+        assert refusal["code"] == "unexpected" and "no request" in refusal["message"]
+    finally:
+        peer.close()
+    assert node.status()["node"]
 
 
 def test_fuzz_ten_thousand_random_and_mutated_frames(node):

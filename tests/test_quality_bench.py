@@ -10,7 +10,8 @@ import weakref
 import pytest
 from click.testing import CliRunner
 
-from spheroid import cli, loading
+from spheroid import loading
+from spheroid.cli import training as cli
 
 from .conftest import ROOT, run_bench
 

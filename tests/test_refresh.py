@@ -14,7 +14,7 @@ from spheroid.averaging import SharedState, state_hash
 from spheroid.config import NodeConfig
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node
-from spheroid.node.worker import FETCH_RETRY_S, ReadersCopies, Upstream
+from spheroid.node.upstream import FETCH_RETRY_S, ReadersCopies, Upstream
 from spheroid.train import EarlierBlocks, genesis_block
 from spheroid.wire import through_codec
 from spheroid.wire.messages import StateReply

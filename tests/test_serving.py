@@ -14,13 +14,13 @@ import time
 import pytest
 import torch
 
-from spheroid.chain import generate, next_traversal
 from spheroid.config import NodeConfig
+from spheroid.decoding import generate, next_traversal
+from spheroid.loading import load_chain
 from spheroid.node.client import remote_generate, remote_score, score_text
 from spheroid.node.connection import PeerGone
 from spheroid.node.serving import Batcher
 from spheroid.pipeline import Hop, NoRoute, build_route, check_route, parse_blocks, serving_range
-from spheroid.loading import load_chain
 from spheroid.wire import encode, stream_frames
 
 from .nodes import NodeProcess, RawPeer, handshake_then, hello, stop_all, wait_until
@@ -376,7 +376,7 @@ def test_session_cache_is_bounded_and_expires():
 
 def test_reference_pipeline_matches_the_reference_run_locally(servers, model_dir):
     """The AR baseline: KV-cached hops give the bytes of full recomputation over the same windows."""
-    from spheroid.chain import sample, traversal_generators, window_start
+    from spheroid.decoding import sample, traversal_generators, window_start
     from spheroid.loading import load_reference
 
     head = servers("rhead", "0-1", None, "--serve-reference", "--hop-timeout", "3")

@@ -267,3 +267,78 @@ def test_an_inline_tensor_goes_where_the_receiver_lends_it_memory():
     other, held = halves(message.replace(lo=1, hi=(1 << 18) + 1))
     assert torch.equal(other, delta) and other.data_ptr() != target.data_ptr() and held == 1 << 20
     assert asked == [(d.me["node"], "update", 0, "float32", 1 << 20), (d.me["node"], "update", 1, "float32", 1 << 20)]
+
+
+def opened_pair() -> tuple[Session, Session]:
+    d, a = pair(None, None)
+    a.receive_data(d.data_to_send())
+    d.receive_data(a.data_to_send())
+    return d, a
+
+
+def test_a_reply_must_answer_an_outstanding_request_of_the_receivers():
+    """PROTOCOL.md, section 2: a reply (pong aside) whose `re` names no request the receiver sent and has not
+    had answered, or that has no `re`, is `unexpected`; a late one to a request its sender gave up on is not."""
+    from spheroid.wire.messages import Peers, PeersReply, Pong, StatusReply
+
+    for stray in (StatusReply(id=7, re=99, status={}), StatusReply(id=7, status={}), PeersReply(id=7, re=1, peers=[])):
+        d, a = opened_pair()
+        with pytest.raises(ProtocolError) as err:
+            d.receive_data(a.send(stray))
+        assert err.value.code == "unexpected" and "no request of this side's awaits it" in err.value.message
+    d, a = opened_pair()
+    [asked] = a.receive_data(d.send(Peers()))
+    [answer] = d.receive_data(a.send(PeersReply(re=asked.message.id, peers=[])))  # (however late: still awaited)
+    assert isinstance(answer, Arrived) and answer.message.re == asked.message.id
+    with pytest.raises(ProtocolError) as err:  # answered already
+        d.receive_data(a.send(PeersReply(re=asked.message.id, peers=[])))
+    assert err.value.code == "unexpected"
+    # a pong answers whatever it likes; an error may name any message (generate, hop, ...) and ends a request
+    d, a = opened_pair()
+    assert isinstance(d.receive_data(a.send(Pong(re=12345, ts=1.0)))[0].message, Pong)
+    [asked] = a.receive_data(d.send(Status()))
+    assert isinstance(d.receive_data(a.send(Error(re=asked.message.id, code="busy", message="later")))[0], Arrived)
+    assert isinstance(d.receive_data(a.send(Error(re=4242, code="busy", message="x")))[0], Arrived)
+    with pytest.raises(ProtocolError) as err:  # the error answered it
+        d.receive_data(a.send(StatusReply(re=asked.message.id, status={})))
+    assert err.value.code == "unexpected"
+
+
+def test_a_reply_of_another_type_than_its_request_takes_is_handed_over():
+    """(The receiver fails that request: Connection.request.) It answered the request, which is no longer
+    outstanding."""
+    from spheroid.wire.messages import Peers, StatusReply
+
+    d, a = opened_pair()
+    [asked] = a.receive_data(d.send(Peers()))
+    [event] = d.receive_data(a.send(StatusReply(re=asked.message.id, status={})))
+    assert isinstance(event.message, StatusReply)
+
+
+def test_the_oldest_unanswered_requests_are_forgotten_beyond_a_bound(monkeypatch):
+    from spheroid.wire import session as session_module
+    from spheroid.wire.messages import StatusReply
+
+    monkeypatch.setattr(session_module, "MAX_ASKED", 3)
+    d, a = opened_pair()
+    ids = [a.receive_data(d.send(Status()))[0].message.id for _ in range(4)]
+    for i in ids[1:]:
+        assert isinstance(d.receive_data(a.send(StatusReply(re=i, status={})))[0], Arrived)
+    with pytest.raises(ProtocolError, match="no request"):
+        d.receive_data(a.send(StatusReply(re=ids[0], status={})))
+
+
+def test_a_peer_that_speaks_tls_to_a_side_without_it_is_told_apart_from_a_large_frame():
+    a = Session(me(), dialler=False, swarm="s", secret=None)
+    with pytest.raises(ProtocolError) as err:  # the first bytes of a TLS ClientHello
+        a.receive_data(bytes.fromhex("160301020001"))
+    assert err.value.code == "too_large" and "the peer speaks TLS and this side does not" in err.value.message
+
+
+def test_a_secret_on_one_side_only_says_which():
+    d, a = pair(SECRET, None)
+    hello_d, hello_a = d.data_to_send(), a.data_to_send()
+    with pytest.raises(ProtocolError, match="the peer has a swarm secret and this side has none"):
+        a.receive_data(hello_d)
+    with pytest.raises(ProtocolError, match="this side has a swarm secret and the peer has none"):
+        d.receive_data(hello_a)

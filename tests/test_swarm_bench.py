@@ -12,7 +12,7 @@ import torch
 from spheroid import checkpoint
 from spheroid.config import RunConfig
 from spheroid.launch import free_port
-from spheroid.node.worker import pick_donor
+from spheroid.node.upstream import pick_donor
 
 from .conftest import run_bench
 

@@ -27,7 +27,7 @@ from spheroid.wire import (
     stream_frames,
     through_codec,
 )
-from spheroid.wire.tensors import INT4_ERROR, INT8_ERROR
+from spheroid.wire.tensors import CODEC_OPTIONS, INT4_ERROR, INT8_ERROR, TENSOR_CODECS
 
 VECTORS = Path(__file__).resolve().parents[1] / "proto" / "vectors"
 
@@ -110,6 +110,20 @@ def test_tensor_round_trip_within_the_codecs_bound(dtype, codec, compression):
     else:  # a cast: half an ulp of the narrower type
         eps = {"fp16": 2**-11, "bf16": 2**-8}[codec]
         assert (err <= t.float().abs() * eps * 1.001 + 1e-6).all()
+
+
+@pytest.mark.parametrize("name", list(TENSOR_CODECS))
+def test_every_registered_codec_keeps_what_its_class_says(name):
+    """What the rest of the code reads of a codec (spheroid.wire.tensors): a lossless one gives back the
+    very values, its data takes at most `nbytes`, it carries scales if it says so, it is found by its
+    config name too, and its `catch_up` is a codec."""
+    codec = TENSOR_CODECS[name]
+    t = torch.randn(5000, generator=torch.Generator().manual_seed(2))
+    dtype, shape, wire, compression, data, scales, block = msgpack.unpackb(encode_tensor(t, name))
+    assert wire == name and len(data) <= codec.nbytes(4, t.numel())
+    assert (block > 0) == (len(scales) > 0) == codec.scaled
+    assert torch.equal(decode_tensor(encode_tensor(t, name)), t) == (not codec.lossy)
+    assert CODEC_OPTIONS[codec.option] is codec and (codec.catch_up is None or codec.catch_up in TENSOR_CODECS)
 
 
 def test_int2_sends_values_of_one_size_and_a_lone_last_value():
@@ -338,6 +352,10 @@ def frame(body: bytes) -> bytes:
     return len(body).to_bytes(4, "big") + body
 
 
+def _tensor_ext(obj):
+    return msgpack.ExtType(1, encode_tensor(obj))
+
+
 MALFORMED = {
     "oversized length": (b"\x7f\xff\xff\xff", "too_large"),
     "zero length": (b"\x00\x00\x00\x00", "bad_frame"),
@@ -370,6 +388,23 @@ MALFORMED = {
     "chunk cut at its extension's marker": (frame(
         b"\x85" + b"".join(map(msgpack.packb, ["t", "stream_chunk", "id", 1, "stream", 1, "x", "a" * 219, "data"]))
         + b"\xc9"), "bad_msgpack"),
+    # extension -1, msgpack's timestamp (which msgpack decodes itself, never asking for an ext_hook), in
+    # each of its lengths and in one it has not
+    **{f"timestamp extension of {len(data)} bytes": (frame(b"\x83" + b"".join(map(msgpack.packb, [
+        "t", "peers", "id", 1, "x"])) + head + b"\xff" + data), "unknown_ext")
+       for head, data in ((b"\xd6", b"\0" * 4), (b"\xd7", b"\0" * 8), (b"\xc7\x0c", b"\0" * 12), (b"\xd4", b"\0"))},
+    "timestamp among a chunk's fields": (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
+        "x": msgpack.Timestamp(1, 0), "data": torch.zeros(4)}, default=_tensor_ext)), "unknown_ext"),
+    # map keys are str (section 1.2), at any depth, and in a chunk read from its own bytes too
+    "bin map key": (frame(msgpack.packb({"t": "status_reply", "id": 2, "re": 1, "status": {b"k": 1}})), "bad_msgpack"),
+    "bin key among a chunk's fields": (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
+        b"x": 1, "data": torch.zeros(4)}, default=_tensor_ext)), "bad_msgpack"),
+    "integer key among a chunk's fields": (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1, "seq": 0,
+        7: 1, "data": torch.zeros(4)}, default=_tensor_ext, strict_types=False)), "bad_msgpack"),
+    # the body's faults come before the message's: a bad tensor in a field that takes none is bad_tensor
+    "bad tensor last, in a field that takes none": (frame(msgpack.packb({"t": "stream_chunk", "id": 1, "stream": 1,
+        "seq": 0, "data": torch.zeros(4), "x": msgpack.ExtType(1, msgpack.packb(
+            ["float32", [4], "raw", "none", b"\0" * 12, b"", 0]))}, default=_tensor_ext)), "bad_tensor"),
 }
 
 
@@ -481,3 +516,17 @@ def test_one_connection_holds_at_most_sixteen_streams_and_half_a_shared_budget()
     asking.asked = 1  # a state this side asked for may take the whole budget
     asking.begin(begin((3 << 18) // 4, 1))
     assert budget.held == 3 << 18
+
+
+def test_a_large_frame_read_into_its_own_buffer_is_checked_alike():
+    """A frame over 64 KiB is read into a buffer of its own (a memoryview): its timestamp and bin keys are
+    refused as in a small one."""
+    pad = b"p" * (100 << 10)
+    for extra, code in (({"x": msgpack.Timestamp(1, 0)}, "unknown_ext"), ({"x": {b"k": 1}}, "bad_msgpack")):
+        body = msgpack.packb({"t": "status_reply", "id": 2, "re": 1, "status": {"pad": pad, **extra}})
+        with pytest.raises(ProtocolError) as err:
+            Decoder().feed(frame(body))
+        assert err.value.code == code
+        with pytest.raises(ProtocolError) as err:
+            decode_body(memoryview(body))
+        assert err.value.code == code

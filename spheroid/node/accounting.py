@@ -6,6 +6,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+CLIENTS = "clients"  # the one accounting label of all client connections (status, assemble, ...)
+
 
 @dataclass
 class Counter:

@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..averaging import CODECS, Closed, Contributors, Part, Reduced, Replica
+from ..averaging import Closed, Contributors, Part, Reduced, Replica
 from ..wire import Encoded, encode_stream, messages
+from ..wire.tensors import CODEC_OPTIONS
 from .connection import Connection, PeerGone
 from .node import Node
 
@@ -30,7 +31,7 @@ class Averager:
     def __init__(self, node: Node, block: int, replica: Replica, codec: str, compression: str,
                  changed: asyncio.Event | None = None) -> None:
         self.node, self.block, self.replica = node, block, replica
-        self.codec, self.compression = CODECS[codec], compression
+        self.codec, self.compression = CODEC_OPTIONS[codec].name, compression
         self.changed = changed or asyncio.Event()  # set whenever something arrives that may end a wait
         self.sends: list[asyncio.Task] = []
         node.handlers.update(update=self.on_update, reduced=self.on_reduced)

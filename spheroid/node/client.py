@@ -38,7 +38,7 @@ from ..wire.messages import (
 )
 from ..wire.session import is_node_id
 from .accounting import Traffic
-from .connection import Connection, PeerGone, PeerRefused, PeerSilent, dial
+from .connection import Connection, PeerGone, PeerRefused, PeerSilent, dial, handshake_failure
 from .node import open_session, ssl_contexts
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,19 @@ async def _connect_once(addr: str, cfg: NodeConfig, secret: bytes | None, handle
                            f"address?") from exc
     except ProtocolError as exc:
         await conn.close()
+        if exc.code in ("auth_required", "auth_failed"):  # (this side noticed first: the same words)
+            raise ProtocolError(exc.code, handshake_failure(exc, f"the node at {addr}", "this client",
+                                                            secret is not None)) from exc
         if exc.code in HANDSHAKE_REFUSALS:  # a spheroid node that will not talk to us says why
             raise
         raise ProtocolError(exc.code, f"{addr} does not speak the spheroid protocol ({exc}): is it a spheroid "
                                       f"node's address?") from exc
+    except PeerRefused as exc:
+        await conn.close()
+        if exc.code in ("auth_required", "auth_failed", "tls_required"):  # (a mistake in this client's flags)
+            raise PeerRefused(exc.code, handshake_failure(exc, f"the node at {addr}", "this client",
+                                                          secret is not None)) from exc
+        raise
     except BaseException:
         await conn.close()
         raise

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -22,9 +23,9 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from ..progress import QuietLog
-from ..wire import Encoded, Outgoing, ProtocolError, stream_frames
+from ..wire import Encoded, Outgoing, ProtocolError, encode, stream_frames
 from ..wire.messages import INLINE, REPLIES, SCHEMAS, STREAM_FIELDS, Error, Hello, Message
-from ..wire.session import Arrived, Frame, Opened, Refused, Session
+from ..wire.session import TLS_RECORD, Arrived, Frame, Opened, Refused, Session
 from ..wire.streams import RAW_CHUNK_BYTES
 from .accounting import Traffic
 
@@ -53,6 +54,68 @@ class PeerRefused(PeerGone):
     def __init__(self, code: str, text: str) -> None:
         super().__init__(text)
         self.code = code
+
+
+class TlsFailed(ConnectionError):
+    """TLS with the peer failed; the text says why and what to do."""
+
+
+# what OpenSSL calls a peer whose bytes are no TLS record (a spheroid node without TLS sends its hello at once)
+NOT_TLS = {"WRONG_VERSION_NUMBER", "UNKNOWN_PROTOCOL", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE",
+           "HTTP_REQUEST", "UNEXPECTED_RECORD"}
+# the alerts a peer sends when it refuses the certificate this side showed (or showed none)
+CERT_REFUSED = {"TLSV1_ALERT_UNKNOWN_CA", "SSLV3_ALERT_BAD_CERTIFICATE", "SSLV3_ALERT_CERTIFICATE_UNKNOWN",
+                "TLSV13_ALERT_CERTIFICATE_REQUIRED", "SSLV3_ALERT_HANDSHAKE_FAILURE", "TLSV1_ALERT_DECRYPT_ERROR"}
+
+
+def tls_cause(exc: BaseException, dialler: bool) -> str:
+    """What a failed TLS handshake (or the close right after it) says about its cause, in words that
+    name the flag to change. `dialler`: said on the side that dialled (a client, or a node dialling
+    a peer), else on the node that accepted."""
+    reason = getattr(exc, "reason", None) or ""
+    detail = getattr(exc, "verify_message", None) or reason or str(exc) or type(exc).__name__
+    if isinstance(exc, ssl.SSLCertVerificationError) or reason == "CERTIFICATE_VERIFY_FAILED":
+        return (f"its certificate is not signed by this {'side' if dialler else 'node'}'s --tls-ca ({detail}): "
+                "every member needs a certificate signed by the swarm's CA")
+    if reason == "PEER_DID_NOT_RETURN_A_CERTIFICATE":
+        return "it showed no certificate, and this node's --tls-ca asks for one: give it --tls-cert and --tls-key"
+    if reason in CERT_REFUSED:
+        return (f"it refused this {'side' if dialler else 'node'}'s certificate ({reason}): it is not signed by "
+                "the peer's --tls-ca (give a certificate signed by the swarm's CA)")
+    if reason in NOT_TLS:
+        return ("it does not speak TLS: give both sides --tls-cert and --tls-key (and the swarm's CA as --tls-ca), "
+                "or neither")
+    if isinstance(exc, TimeoutError) or "taking longer" in str(exc):
+        return f"no TLS handshake in time ({exc})"
+    broken_off = isinstance(exc, (ConnectionResetError, BrokenPipeError)) or reason == "UNEXPECTED_EOF_WHILE_READING"
+    if broken_off and not dialler:
+        return ("it broke off the TLS handshake: most likely it refused this node's certificate, which its --tls-ca "
+                "did not sign (give a certificate signed by the swarm's CA)")
+    return f"the TLS handshake failed: {detail}"
+
+
+def handshake_failure(exc: BaseException, peer: str, me: str, secret: bool) -> str:
+    """Why a handshake failed, in words that name the flag to change, for a swarm secret or TLS
+    mistake (`exc`'s own text otherwise). `peer` and `me` name the two sides ("the node at ADDR",
+    "this client"); `secret`: whether this side has a swarm secret. `exc` is this side's
+    ProtocolError (it refused the peer) or the PeerRefused the peer answered with."""
+    code = getattr(exc, "code", None)
+    refused_us = isinstance(exc, PeerRefused)
+    if code == "auth_required" and secret:
+        return (f"{me} has a swarm secret (--secret-file) and {peer} has none (auth_required): both need the "
+                "swarm's secret, or neither")
+    if code == "auth_required":
+        return (f"{peer} has a swarm secret and {me} has none (auth_required): give {me} --secret-file with the "
+                "swarm's secret")
+    if code == "auth_failed" and refused_us:
+        return f"{peer} refused {me}'s swarm secret (auth_failed): --secret-file does not hold the swarm's secret"
+    if code == "auth_failed":
+        return (f"{peer} failed to prove the swarm secret (auth_failed): its --secret-file holds another secret than "
+                f"{me}'s (or it relayed a proof made for another connection)")
+    if code == "tls_required" and refused_us:
+        return (f"{peer} speaks TLS and {me} does not (tls_required): give --tls-cert and --tls-key (and the "
+                "swarm's CA as --tls-ca)")
+    return getattr(exc, "message", None) or str(exc)
 
 
 class Connection(asyncio.BufferedProtocol):
@@ -86,6 +149,8 @@ class Connection(asyncio.BufferedProtocol):
         self._gone: PeerGone | None = None  # why the socket ended, once it has
         self._eof: PeerGone | None = None  # set once the peer has said it sends nothing more
         self._lost = asyncio.get_running_loop().create_future()  # done when the socket is closed
+        self._lost_exc: BaseException | None = None  # what closed the socket, if not a clean close
+        self._received = 0  # bytes the peer sent
         self._writable = asyncio.Event()  # clear while the transport's write buffer is full
         self._writable.set()
         self._reading_paused = False
@@ -111,6 +176,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.closed:
             return
         self._heard = asyncio.get_running_loop().time()
+        self._received += nbytes
         try:
             events = self.session.buffer_updated(nbytes)
         except ProtocolError:  # (kept in session.error: `_events` raises it after what came before)
@@ -139,6 +205,7 @@ class Connection(asyncio.BufferedProtocol):
         return self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._lost_exc = exc
         self._gone = PeerGone(f"{self.label} closed the connection" if exc is None
                               else f"reading from {self.label} failed: {exc!r}")
         self._writable.set()  # (a writer waiting for room finds the connection gone)
@@ -162,7 +229,20 @@ class Connection(asyncio.BufferedProtocol):
         with contextlib.suppress(PeerGone):  # (a peer that refused us may be gone: its error is read below)
             await self._flush("hello")
         while not self.hello:
-            for event in await self._events(self.timeout):
+            try:
+                events = await self._events(self.timeout)
+            except PeerGone as exc:
+                if (self.outbound and not self._received and not isinstance(exc, PeerSilent)
+                        and self.transport.get_extra_info("sslcontext") is not None):
+                    # a TLS node that refuses a certificate closes right after its handshake (TLS 1.3: the
+                    # dialler's side of it was done), before its hello
+                    why = (tls_cause(self._lost_exc, dialler=True) if isinstance(self._lost_exc, ssl.SSLError)
+                           else "most likely it refused this side's certificate, which the node's --tls-ca did not "
+                                "sign (give a certificate signed by the swarm's CA)")
+                    raise PeerGone(f"{self.remote} closed the connection right after the TLS handshake, before "
+                                   f"its hello: {why}") from exc
+                raise
+            for event in events:
                 if isinstance(event, Refused):
                     raise PeerRefused(event.code, f"{self.remote} refused us: {event.code}: {event.text}")
                 if isinstance(event, Opened):
@@ -403,15 +483,148 @@ class Connection(asyncio.BufferedProtocol):
 async def dial(host: str, port: int, traffic: Traffic, session: Session, timeout: float,
                tls: ssl.SSLContext | None = None) -> Connection:
     """A connection to host:port (not yet through the handshake: `open` runs it). OSError or
-    TimeoutError when nobody answers."""
+    TimeoutError when nobody answers; TlsFailed (an OSError) naming the cause when TLS fails."""
     loop = asyncio.get_running_loop()
-    async with asyncio.timeout(timeout):
-        _, conn = await loop.create_connection(lambda: Connection(traffic, session, timeout), host, port, ssl=tls)
+    try:
+        async with asyncio.timeout(timeout):
+            _, conn = await loop.create_connection(lambda: Connection(traffic, session, timeout), host, port,
+                                                   ssl=tls)
+    except ssl.SSLError as exc:
+        raise TlsFailed(f"TLS with {host}:{port} failed: {tls_cause(exc, dialler=True)}") from exc
     return conn
 
 
 async def listen(host: str, port: int, make: Callable[[], Connection], tls: ssl.SSLContext | None = None,
-                 backlog: int = 1024) -> asyncio.Server:
+                 backlog: int = 1024, timeout: float = 10.0) -> asyncio.Server | TlsServer:
     """A server whose every accepted socket is the Connection `make()` returns (whose `opened`
-    callback takes it from there)."""
-    return await asyncio.get_running_loop().create_server(make, host, port, ssl=tls, backlog=backlog)
+    callback takes it from there). With `tls`, a `TlsServer`: TLS within `timeout` of the
+    connection, or a refusal that says why (asyncio's own would drop the peer without a word)."""
+    if tls is None:
+        return await asyncio.get_running_loop().create_server(make, host, port, backlog=backlog)
+    server = TlsServer(make, tls, timeout)
+    await server.start(host, port, backlog)
+    return server
+
+
+class TlsServer:
+    """A TLS node's listening sockets. Each accepted socket's first byte says whether the peer speaks
+    TLS (a TLS handshake record starts with 0x16, a spheroid frame with 0x00): one that does not is
+    answered in plain text with an `error` (`tls_required`) that tells its user what to give, and
+    closed; one that does goes through the TLS handshake, whose failure is logged with its cause and
+    the peer's address (rate-limited). asyncio's own TLS server (create_server(ssl=)) drops both
+    without a word on either side."""
+
+    def __init__(self, make: Callable[[], Connection], tls: ssl.SSLContext, timeout: float) -> None:
+        self.make, self.tls, self.timeout = make, tls, timeout
+        self.sockets: list[socket.socket] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int, backlog: int) -> None:
+        loop = asyncio.get_running_loop()
+        for family, kind, proto, _, address in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                      flags=socket.AI_PASSIVE):
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(backlog)
+                sock.setblocking(False)
+            except OSError:
+                sock.close()
+                self.close()
+                raise
+            self.sockets.append(sock)
+            self._spawn(self._accept(sock))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for sock in self.sockets:
+            sock.close()
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # (out of file descriptors, say: a pause, then on)
+                QUIET.log(logging.WARNING, "accept", "cannot accept connections: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            self._spawn(self._gate(sock))
+
+    async def _gate(self, sock: socket.socket) -> None:
+        """One accepted socket: TLS, or a refusal in plain text; the socket is closed unless a transport took it."""
+        loop = asyncio.get_running_loop()
+        try:
+            host, port = sock.getpeername()[:2]
+            remote = f"{host}:{port}"
+            first = await asyncio.wait_for(self._first_byte(sock), self.timeout)
+            if not first:  # (it closed without a byte)
+                sock.close()
+            elif first[0] != TLS_RECORD:
+                QUIET.log(logging.WARNING, "tls", "refused %s: it does not speak TLS and this node does (it needs "
+                          "--tls-cert and --tls-key, and the swarm's CA as --tls-ca)", remote)
+                frame = encode(Error(id=1, code="tls_required", message="this node speaks TLS: give --tls-cert and "
+                                     "--tls-key (and the swarm's CA as --tls-ca)").to_wire())
+                await loop.connect_accepted_socket(lambda: _Refusal(frame), sock)
+            else:
+                try:
+                    await loop.connect_accepted_socket(self.make, sock, ssl=self.tls,
+                                                       ssl_handshake_timeout=self.timeout)
+                except (OSError, TimeoutError) as exc:  # (ssl.SSLError is an OSError)
+                    QUIET.log(logging.WARNING, "tls", "refused %s: %s", remote, tls_cause(exc, dialler=False))
+                    sock.close()
+        except (OSError, TimeoutError):  # (gone, or silent: nothing to say to it)
+            sock.close()
+        except BaseException:  # (the server closing: a transport that took the socket closed it already)
+            sock.close()
+            raise
+
+    @staticmethod
+    async def _first_byte(sock: socket.socket) -> bytes:
+        """The first byte the peer sent, left in the socket (b"": it closed)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                return sock.recv(1, socket.MSG_PEEK)
+            except BlockingIOError:
+                pass
+            readable = loop.create_future()
+            loop.add_reader(sock.fileno(), _settle, readable)
+            try:
+                await readable
+            finally:
+                loop.remove_reader(sock.fileno())
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class _Refusal(asyncio.Protocol):
+    """Writes a refusal, then reads (and drops) what the peer sends until it closes, or for 2 s: a
+    socket closed with unread bytes resets, and the peer could lose the refusal."""
+
+    def __init__(self, frame: bytes) -> None:
+        self.frame = frame
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.frame)
+        with contextlib.suppress(OSError, NotImplementedError):
+            transport.write_eof()
+        asyncio.get_running_loop().call_later(2.0, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def eof_received(self) -> bool:
+        return False  # (closes)

@@ -9,7 +9,8 @@ peer lists, dial a few peers it learns of; less often while membership does not 
 (re-dial the seed list so a split swarm heals) and a status line. A connection that stays silent
 past `dead_after` is dropped; a peer that is neither connected nor advertised for `forget_after`
 is forgotten; the known-peers table is bounded. Incoming tensor streams of all connections share
-one memory budget.
+one memory budget. Membership (the peer table, gossip, the seeds) is membership.py's and the status
+report status.py's, both mixed into `Node`.
 """
 
 from __future__ import annotations
@@ -19,50 +20,40 @@ import collections
 import contextlib
 import ctypes
 import itertools
-import json
 import logging
 import os
-import random
 import signal
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import atomic_write
 from ..config import NodeConfig, parse_addr
 from ..progress import QuietLog
-from ..wire import VERSION, ProtocolError, encode
+from ..wire import ProtocolError, encode
 from ..wire.codec import Budget
 from ..wire.messages import (
-    MAX_PEER_ENTRIES,
     REPLIES,
     Bye,
     Error,
     Hello,
     Message,
-    Peers,
-    PeersReply,
     Ping,
     Pong,
     ProbeReply,
-    StatusReply,
-    validate_peer,
 )
-from ..wire.session import Lender, Session, is_node_id
+from ..wire.session import Lender, Session
 from ..wire.tensors import DTYPE_NAMES, as_view
-from .accounting import Traffic
-from .connection import STALLED_TIMEOUTS, Connection, PeerGone, dial, listen
+from .accounting import CLIENTS, Traffic
+from .connection import STALLED_TIMEOUTS, Connection, PeerGone, PeerRefused, TlsFailed, dial, handshake_failure, listen
 from .identity import Identity
+from .membership import Membership, PeerInfo, backoff
+from .status import NodeStatus
 
 log = logging.getLogger(__name__)
 
-CLIENTS = "clients"  # the one accounting label of all client connections (status, assemble, ...)
-DIALS_AT_ONCE = 16  # dials to learned peers in flight at once
-SETTLED_FANOUT = 2  # peers a node connected to all it knows asks for peer lists once membership settles
 RTT_EVERY = 15  # ping intervals between the pings a node sends to a peer that dialled it (for the RTT)
 SEED_WARN_S = 5.0  # a seed that cannot be reached for this long is warned of
 SERVING_REQUESTS = ("generate", "score")  # requests only a serving node answers
@@ -70,24 +61,6 @@ LOOP_RESTART_S = 5.0  # pause before a background loop that failed starts again
 # bytes of large frames read into buffers of their own, all connections together (beyond it, a
 # frame waits in its connection's scratch buffer as its bytes arrive)
 FRAMES_IN_FLIGHT = 64 << 20
-
-
-@dataclass
-class PeerInfo:
-    node: str
-    addr: str
-    role: str
-    blocks: list[int]
-    serves: list[int] = field(default_factory=list)  # blocks it serves for inference
-    last_seen: float = field(default_factory=time.monotonic)
-    rtt_ms: float | None = None
-    learned: float = field(default_factory=time.monotonic)  # peers are dialled oldest-learned first
-    failures: int = 0  # dials that failed, or refusals (busy), in a row
-    retry_at: float = 0.0  # not dialled again before this (backing off after failures)
-    unreachable: bool = False  # the last dial of its address failed (a refusal is an answer: not that)
-
-    def entry(self) -> dict:
-        return {"node": self.node, "addr": self.addr, "role": self.role, "blocks": self.blocks, "serves": self.serves}
 
 
 def tune_allocator() -> None:
@@ -105,11 +78,6 @@ def tune_allocator() -> None:
     m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters, from malloc.h
     libc.mallopt(m_mmap_threshold, 32 << 20)
     libc.mallopt(m_trim_threshold, 128 << 20)
-
-
-def backoff(base: float, times: int) -> float:
-    """Seconds to wait before trying a peer again after `times` failures (or refusals): doubling, at most 300."""
-    return min(300.0, base * 2**times)
 
 
 def open_session(me: dict, cfg: NodeConfig, secret: bytes | None, dialler: bool, budget: Budget | int,
@@ -139,7 +107,7 @@ def ssl_contexts(cfg: NodeConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext
     return server, client
 
 
-class Node:
+class Node(Membership, NodeStatus):
     def __init__(self, cfg: NodeConfig, identity: Identity, secret: bytes | None = None) -> None:
         self.cfg = cfg
         self.id = identity.node_id
@@ -189,7 +157,8 @@ class Node:
         host, port = parse_addr(self.cfg.listen)
         # a deep accept queue: connections beyond it wait in the kernel, unseen by the handshake
         # limits and deadline, and reach the node seconds later (SYN-ACK retries)
-        self._server = await listen(host, port, self._inbound, self._ssl_server, backlog=1024)
+        self._server = await listen(host, port, self._inbound, self._ssl_server, backlog=1024,
+                                    timeout=self.cfg.handshake_timeout)
         log.info("node %s listening on %s (swarm %s, role %s%s)", self.id[:8], self.cfg.listen, self.cfg.swarm,
                  self.cfg.role, ", authenticated" if self.secret else "")
         for loop in (self._ping_loop, self._gossip_loop, self._seed_loop, self._status_loop):
@@ -242,10 +211,6 @@ class Node:
         self.write_state()
         self.identity.release()
 
-    def write_state(self) -> None:
-        entries = [p.entry() for p in self.known.values()]
-        atomic_write(self.state_file, json.dumps({"node": self.id, "peers": entries}, indent=1).encode())
-
     def spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -297,9 +262,11 @@ class Node:
             conn = await dial(host, port, self.traffic, self._session(dialler=True), self.cfg.timeout, self._ssl_client)
         except (OSError, TimeoutError, ssl.SSLError, ValueError) as exc:
             # a seed the user gave, failing for a while (not a swarm's members starting together): a
-            # typo would otherwise leave the node alone without a word
+            # typo would otherwise leave the node alone without a word; TLS that fails is no passing state
             failing = self._seeds_failing.setdefault(addr, time.monotonic()) if addr in self.cfg.peers else None
-            if failing is not None and time.monotonic() - failing >= SEED_WARN_S:
+            if isinstance(exc, TlsFailed):
+                self.quiet.log(logging.WARNING, "tls", "cannot dial %s: %s", addr, exc)
+            elif failing is not None and time.monotonic() - failing >= SEED_WARN_S:
                 self.quiet.log(logging.WARNING, f"seed {addr}", "cannot reach --peer %s: %s", addr,
                                str(exc) or type(exc).__name__)
             else:
@@ -381,11 +348,15 @@ class Node:
         try:
             return await asyncio.wait_for(self._handshake(conn), self.cfg.handshake_timeout)
         except ProtocolError as exc:
-            self.quiet.log(logging.WARNING, "refused", "refused %s: %s", conn.remote, exc.message)
+            self.quiet.log(logging.WARNING, "refused", "refused %s: %s", conn.remote,
+                           handshake_failure(exc, "the peer", "this node", self.secret is not None))
             await conn.refuse(exc)
         except (PeerGone, TimeoutError) as exc:
-            self.quiet.log(logging.INFO, "handshake", "handshake with %s failed: %s", conn.remote,
-                           exc or f"not done within {self.cfg.handshake_timeout:.0f}s")
+            # (a swarm secret or TLS that does not match will not pass by itself: said louder)
+            mistake = isinstance(exc, PeerRefused) and exc.code in ("auth_required", "auth_failed", "tls_required")
+            self.quiet.log(logging.WARNING if mistake else logging.INFO, "handshake", "handshake with %s failed: %s",
+                           conn.remote, handshake_failure(exc, "the peer", "this node", self.secret is not None)
+                           if mistake else exc or f"not done within {self.cfg.handshake_timeout:.0f}s")
         finally:
             self.unauthenticated[conn.host] -= 1
             if self.unauthenticated[conn.host] <= 0:
@@ -443,10 +414,6 @@ class Node:
             self.spawn(hook(conn))
         return True
 
-    def peers_holding(self, block: int) -> list[Connection]:
-        """Open connections to members that announced `block`, in node-id order."""
-        return [c for n, c in sorted(self.conns.items()) if not c.closed and block in c.hello.blocks]
-
     # --- messages ---------------------------------------------------------------------------------
 
     async def _handle(self, conn: Connection, msg: Message) -> None:
@@ -473,17 +440,6 @@ class Node:
             info.last_seen = time.monotonic()
             info.failures, info.retry_at = 0, 0.0  # (reachable after all: no back-off when it next goes)
         self._seeds_busy.pop(conn.dialled, None)
-
-    async def _on_peers(self, conn: Connection, msg: Message) -> None:
-        await conn.send(PeersReply(re=msg.id, peers=self._peer_sample()))
-
-    def _peer_sample(self) -> list[dict]:
-        """A random sample of the peers this node is connected to (what gossip and a `busy` refusal carry)."""
-        entries = [self.known[n].entry() for n in self.conns if n in self.known]
-        return random.sample(entries, min(len(entries), MAX_PEER_ENTRIES))
-
-    async def _on_status(self, conn: Connection, msg: Message) -> None:
-        await conn.send(StatusReply(re=msg.id, status=self.status()))
 
     async def _on_probe(self, conn: Connection, msg: Message) -> None:
         elements = sum(t.numel() for t in msg.tensors)
@@ -561,156 +517,4 @@ class Node:
             await conn.send(Bye(reason=reason))
         await conn.close()
 
-    async def _gossip_loop(self) -> None:
-        """Gossip every gossip_interval until membership is settled (nothing new learned, every peer
-        known connected or the connections full); then twice as long each time, up to gossip_max (a
-        settled swarm that averages rarely moved much of its bytes in peer lists every 3 s); a peer
-        connecting or leaving brings the interval back down at once."""
-        interval = self.cfg.gossip_interval
-        while True:
-            try:
-                async with asyncio.timeout(interval):  # (not wait_for, which can swallow a cancellation)
-                    await self._membership_changed.wait()
-            except TimeoutError:
-                pass
-            else:
-                await asyncio.sleep(self.cfg.gossip_interval)  # (let a burst of changes settle first)
-            changed = self._membership_changed.is_set()
-            self._membership_changed.clear()
-            settled = await self.gossip_once(everyone=changed or interval == self.cfg.gossip_interval)
-            interval = min(2 * interval, self.cfg.gossip_max) if settled and not changed else self.cfg.gossip_interval
-
-    async def gossip_once(self, everyone: bool = True) -> bool:
-        """Ask every connected peer for a sample of its peers, all at once so a slow peer delays
-        nobody; learn new ones, forget stale ones, and start dialling a few. Not `everyone` (membership
-        looked settled) and connected to every peer it knows, it asks only SETTLED_FANOUT of them at
-        random: there is nothing to keep fresh that its connections do not, and news of a joiner
-        still spreads peer to peer. Whether membership looks settled: nothing new learned, and no
-        known peer left to connect to while there is room."""
-        now = time.monotonic()
-        known = len(self.known)
-        asked = list(self.conns.values())
-        if not everyone and all(n in self.conns for n in self.known):
-            asked = random.sample(asked, min(len(asked), SETTLED_FANOUT))
-        await asyncio.gather(*(self._ask_peers(conn, now) for conn in asked))
-        learned = max(0, len(self.known) - known)
-        for node in [n for n in self.conns if n in self.known]:
-            self.known[node].last_seen = now
-        for node, info in list(self.known.items()):
-            if node not in self.conns and now - info.last_seen > self.cfg.forget_after:
-                self.quiet.log(logging.INFO, "forget", "forgetting peer %s (%s): unreachable for %.0fs", node[:8],
-                               info.addr, now - info.last_seen)
-                del self.known[node]
-        # dial in the background, in the order peers were learned, backing off from failures: peers
-        # that fake entries push in later wait behind the real ones, and dead ones leave the queue
-        due = [i for n, i in self.known.items() if n not in self.conns and i.retry_at <= now and i.addr
-               and i.addr not in self._dialing]
-        room = min(self.cfg.max_peers - len(self.conns), DIALS_AT_ONCE - len(self._dialing))
-        for info in sorted(due, key=lambda i: (i.failures, i.learned))[: max(0, room)]:
-            self.spawn(self._dial_learned(info))
-        unconnected = any(n not in self.conns and i.addr for n, i in self.known.items())
-        return not learned and not (unconnected and len(self.conns) < self.cfg.max_peers)
-
-    async def _dial_learned(self, info: PeerInfo) -> None:
-        if await self.dial(info.addr) is None:
-            self._back_off(info)  # (its first pong clears the failures: a peer can also say busy once dialled)
-            info.unreachable = True
-
-    def _back_off(self, info: PeerInfo) -> None:
-        """Dial a peer that failed, or said it is full, again only after a while, longer each time."""
-        info.failures += 1
-        info.retry_at = time.monotonic() + backoff(self.cfg.gossip_interval, info.failures)
-
-    async def _ask_peers(self, conn: Connection, now: float) -> None:
-        try:
-            reply = await conn.request(Peers())
-            self._learn_all(reply.peers, "peers_reply", now)
-        except PeerGone as exc:
-            log.debug("gossip with %s failed: %s", conn.label[:8], exc)
-        except ProtocolError as exc:
-            self.quiet.log(logging.WARNING, "gossip", "%s sent a bad peer list (%s); closing", conn.label[:8],
-                           exc.message)
-            await conn.refuse(exc)
-
-    def _learn_all(self, entries: list, what: str, now: float | None = None) -> None:
-        """Learn the peers a peer listed (in a peers_reply, or with a busy refusal); ProtocolError if the
-        list is malformed."""
-        if len(entries) > MAX_PEER_ENTRIES:
-            raise ProtocolError("bad_field", f"{what} lists {len(entries)} peers, more than {MAX_PEER_ENTRIES}")
-        for entry in entries:
-            self.learn(validate_peer(entry), time.monotonic() if now is None else now)
-
-    def learn(self, entry: dict, now: float) -> None:
-        """A peer entry (node, addr, role, blocks, serves) heard from another node: kept in the known-peers
-        table, which gossip dials from, unless it is this node, a client or malformed. For a peer known
-        already, the address heard replaces the known one only while dials to that one fail (the
-        peer came back elsewhere): a working address is never replaced by hearsay."""
-        node = entry["node"]
-        if node == self.id or entry["role"] == "client" or not is_node_id(node):
-            return
-        try:
-            parse_addr(entry["addr"])
-        except ValueError:
-            log.debug("ignoring peer %s with address %r", node[:8], entry["addr"])
-            return
-        info = self.known.get(node)
-        if info is None:
-            if len(self.known) >= self.cfg.max_known:  # full: a random peer not connected makes room
-                idle = [n for n in self.known if n not in self.conns]
-                if not idle:
-                    return
-                del self.known[random.choice(idle)]
-            self.known[node] = PeerInfo(node, entry["addr"], entry["role"], list(entry["blocks"]),
-                                        list(entry.get("serves", [])), now, learned=now)
-        elif node not in self.conns:
-            info.last_seen = now  # someone is still connected to it
-            if info.unreachable and entry["addr"] != info.addr:  # (tried when its back-off is over, as before)
-                log.debug("peer %s: trying %s instead of %s, which failed", node[:8], entry["addr"], info.addr)
-                info.addr, info.unreachable = entry["addr"], False
-
-    async def _seed_loop(self) -> None:
-        retry = 0.25  # while alone, retry the seeds soon (they may be starting too), backing off
-        while True:
-            connected, now = {c.hello.addr for c in self.conns.values()}, time.monotonic()
-            due = [a for a in self.cfg.peers if a not in connected and self._seeds_busy.get(a, (0, 0.0))[1] <= now]
-            dialled = await asyncio.gather(*(self.dial(a) for a in due))
-            if any(dialled):  # just (re)joined: learn the membership now rather than at the next gossip
-                await self.gossip_once()
-            retry = self.cfg.seed_interval if self.conns else min(2 * retry, self.cfg.seed_interval)
-            await asyncio.sleep(retry)
-
-    async def _status_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.status_interval)
-            log.info("%s", self.status_line())
-            QuietLog.flush_all()  # (what the rate-limited lines left out of a flood that has stopped)
-
     # --- status -----------------------------------------------------------------------------------
-
-    def status(self) -> dict:
-        peers = []
-        for node, conn in self.conns.items():
-            info = self.known.get(node)
-            peers.append({"node": node, "addr": conn.hello.addr, "role": conn.hello.role,
-                          "blocks": conn.hello.blocks, "serves": conn.hello.serves or [],
-                          "rtt_ms": info.rtt_ms if info else None,
-                          "traffic": self.traffic.totals(node)})
-        return {
-            "node": self.id, "swarm": self.cfg.swarm, "addr": self.cfg.address, "role": self.cfg.role,
-            "blocks": list(self.cfg.blocks), "serves": list(self.cfg.serves), "version": VERSION,
-            "uptime_s": time.monotonic() - self.started,
-            "authenticated": self.secret is not None, "tls": self._ssl_server is not None,
-            "peers": sorted(peers, key=lambda p: p["node"]), "known": len(self.known),
-            "traffic": self.traffic.totals(), "traffic_by_type": self.traffic.by_type(),
-            "swarm_traffic": self.traffic.totals(exclude={CLIENTS}),  # between members only
-            **{name: part() for name, part in self.status_parts.items()},
-        }
-
-    def status_line(self) -> str:
-        totals = self.traffic.totals()
-        rtts = [i.rtt_ms for n, i in self.known.items() if n in self.conns and i.rtt_ms is not None]
-        rtt = f"{sum(rtts) / len(rtts):.1f} ms" if rtts else "-"
-        extra = "".join(f"{part()} | " for part in self.line_parts)
-        return (f"node {self.id[:8]} | {extra}peers {len(self.conns)} connected, {len(self.known)} known | "
-                f"sent {totals['sent']['wire_bytes'] / 2**20:.2f} MiB, received "
-                f"{totals['received']['wire_bytes'] / 2**20:.2f} MiB | mean RTT {rtt}")

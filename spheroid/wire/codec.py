@@ -4,6 +4,9 @@ A frame is a 4-byte big-endian length N followed by N bytes of msgpack. The leng
 against the limit before any byte of the body is buffered, the body is unpacked with msgpack's own
 limits, extension types other than the tensor are refused, and the result is checked against the
 message schema. Nothing here touches a socket, so every property is tested on plain bytes.
+
+Frames are written in the canonical form of proto/PROTOCOL.md (section 1): msgpack's shortest
+forms, floats as float64, and a message's fields in its schema's order (`Message.to_wire`).
 """
 
 from __future__ import annotations
@@ -143,11 +146,47 @@ def decode_body(body: bytes | bytearray | memoryview, max_frame: int = MAX_FRAME
     except msgpack.exceptions.ExtraData:
         raise ProtocolError("bad_frame", "frame holds bytes after its message") from None
     except (ValueError, TypeError, msgpack.exceptions.UnpackException) as exc:
+        if str(exc).startswith("invalid timestamp data"):  # (extension -1 of a length msgpack's timestamp has not)
+            raise ProtocolError("unknown_ext", TIMESTAMP) from None
         raise ProtocolError("bad_msgpack", f"frame body is not valid msgpack within limits: {exc}") from None
+    if not isinstance(body, (bytes, bytearray)) or may_hide(body):  # (a memoryview's `in` compares items)
+        check_plain(message)
     message = validate(message)
     if len(decoded) != sum(isinstance(message.get(name), torch.Tensor) for name in TENSOR_FIELDS[message["t"]]):
         raise ProtocolError("bad_field", f"{message['t']}: a tensor in a field that takes none")
     return message
+
+
+TIMESTAMP = "extension type -1 (msgpack's timestamp) is not part of the protocol"
+
+
+def check_plain(value: Any) -> None:
+    """Refuse what msgpack lets through and the protocol does not: a map key that is not a str
+    (`bad_msgpack`: msgpack's strict_map_key lets bin keys in) and extension type -1 (`unknown_ext`:
+    msgpack decodes it as its Timestamp itself, never asking the ext_hook). Walks the decoded
+    message's containers once."""
+    if type(value) is msgpack.Timestamp:
+        raise ProtocolError("unknown_ext", TIMESTAMP)
+    stack = [value] if type(value) in (dict, list) else []
+    while stack:
+        item = stack.pop()
+        if type(item) is dict:
+            for key in item:
+                if type(key) is not str:
+                    raise ProtocolError("bad_msgpack", f"a map key must be a str, not {type(key).__name__}")
+            item = item.values()
+        for v in item:
+            kind = type(v)
+            if kind is dict or kind is list:
+                stack.append(v)
+            elif kind is msgpack.Timestamp:
+                raise ProtocolError("unknown_ext", TIMESTAMP)
+
+
+def may_hide(body: bytes | bytearray) -> bool:
+    """Whether a body may hold what `check_plain` refuses: a bin (c4, c5, c6) for a key, or the type
+    byte of extension -1 (ff). Most frames hold neither, and are not walked."""
+    return any(marker in body for marker in (b"\xff", b"\xc4", b"\xc5", b"\xc6"))
 
 
 # a frame's fields before its last, a tensor, fit in this for the tensor to be decoded from the
@@ -168,8 +207,6 @@ def _tensor_last(body: bytes | bytearray | memoryview, limits: Limits) -> dict |
     if found is None:
         return None
     message, key, start = found
-    if key not in TENSOR_FIELDS[message["t"]]:
-        raise ProtocolError("bad_field", f"{message['t']}: a tensor in field {key!r}, which takes none")
     message[key] = decode_tensor(view[start:], limits)
     return message
 
@@ -190,7 +227,13 @@ def _head(view: memoryview, size: int) -> tuple[dict, str, int] | None:
         last = head.unpack()
     except Exception:  # (not this layout, or not msgpack: the general decoding says which)
         return None
-    if type(last) is not str or (at := head.tell()) >= len(view):
+    # (a tensor in a field that takes none, a key that is not a str, or a timestamp: decoded by msgpack,
+    # which finds the faults in the order any frame's are found)
+    if type(last) is not str or last not in TENSOR_FIELDS[message["t"]] or (at := head.tell()) >= len(view):
+        return None
+    try:
+        check_plain(message)
+    except ProtocolError:
         return None
     marker = view[at]
     if marker in FIXEXT:
@@ -285,6 +328,7 @@ class Decoder:
         self._body: memoryview | None = None  # a large frame's body, read into place
         self._filled = 0  # bytes of `_body` (or of the data read in place) received
         self._need: int | None = None  # body length of the frame being read, once its header is in
+        self.first: int | None = None  # the first byte received (a TLS record's 0x16 is no frame's)
         self.error: ProtocolError | None = None
 
     def feed(self, data: bytes) -> list[Received]:
@@ -335,6 +379,8 @@ class Decoder:
                 or (self._in_place is not None and self._filled < len(self._in_place.dest))):
             self._filled += n
         else:
+            if self.first is None and n:
+                self.first = self._scratch[self._end]
             self._end += n
 
     def next_message(self) -> Received | None:

@@ -1,4 +1,4 @@
-"""The message set of protocol version 3: every type, its fields and their types, in one schema.
+"""The message set of the protocol (version `VERSION`): every type, its fields and their types, in one schema.
 
 On the wire a message is a msgpack map with "t" (the type) and "id" (the sender's message id,
 unique per connection); a reply carries "re", the id it answers. Fields not listed here are ignored
@@ -22,7 +22,8 @@ from .errors import ProtocolError
 
 VERSION = 11
 
-# kind of each field; a trailing "?" marks it optional
+# kind of each field; a trailing "?" marks it optional. The order is the canonical order of the fields
+# on the wire (proto/PROTOCOL.md, section 2.1, lists the same schemas: tests/test_canonical.py checks that)
 SCHEMAS: dict[str, dict[str, str]] = {
     # handshake (wire/session.py): both sides send hello first; with a swarm secret, the dialler then
     # proves it holds it, and the acceptor proves it in turn
@@ -184,17 +185,20 @@ class Message:
     t: ClassVar[str] = ""
     wire_fields: ClassVar[tuple[str, ...]] = ()  # the fields that go on the wire (not attached tensors)
     wire_names: ClassVar[frozenset[str]] = frozenset()  # the same, as a set
+    float_fields: ClassVar[frozenset[str]] = frozenset()  # the fields of kind float (written as float64)
     field_names: ClassVar[frozenset[str]] = frozenset()  # every field, attached tensors too
     id: int | None = None
     re: int | None = None
 
     def to_wire(self) -> dict:
-        """The map that goes on the wire (optional fields left out when None; attached tensors never)."""
-        values = self.__dict__
+        """The map that goes on the wire, in the canonical order (t, id, re, then the schema's fields;
+        optional fields left out when None; attached tensors never), a float field's integer as a
+        float (float64 on the wire, as every float)."""
+        values, floats = self.__dict__, self.float_fields
         out: dict[str, Any] = {"t": self.t}
         for name in self.wire_fields:
             if (value := values[name]) is not None:
-                out[name] = value
+                out[name] = float(value) if type(value) is int and name in floats else value
         return out
 
     def replace(self, **changes: Any) -> Message:
@@ -219,6 +223,7 @@ def _message_class(kind: str, schema: dict[str, str]) -> type[Message]:
                                      namespace={"t": kind, "__module__": __name__})
     cls.wire_fields = tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("wire", True))
     cls.wire_names = frozenset(cls.wire_fields)
+    cls.float_fields = frozenset(name for name, k in schema.items() if k.rstrip("?") == "float")
     cls.field_names = frozenset(f.name for f in dataclasses.fields(cls))
     return cls
 

@@ -33,7 +33,7 @@ import torch
 from ..progress import QuietLog
 from .codec import MAX_FRAME, Budget, Decoder, encode, encode_pieces
 from .errors import ProtocolError
-from .messages import INLINE, STREAM_FIELDS, VERSION, Auth, Error, Hello, Message, from_wire, validate
+from .messages import INLINE, REPLIES, STREAM_FIELDS, VERSION, Auth, Error, Hello, Message, from_wire, validate
 from .streams import StreamAssembler
 from .tensors import DTYPES
 
@@ -43,6 +43,13 @@ QUIET = QuietLog(log)  # (what any peer can make this log, at most a few lines a
 HANDSHAKE_MAX_FRAME = 64 << 10  # a peer that has not finished the handshake cannot make us buffer more
 NONCE_BYTES = 16
 LABEL = b"spheroid-handshake-v2"
+# the reply types that must answer a request this side sent and has not had answered (`unexpected`
+# otherwise); a pong is taken whatever it answers (it only updates the round-trip time)
+CHECKED_REPLIES = frozenset(REPLIES.values()) - {"pong"}
+# requests sent and not yet answered that a reply may still name (a request that timed out stays
+# among them: its late reply is dropped, not refused); beyond this many the oldest are forgotten
+MAX_ASKED = 1 << 12
+TLS_RECORD = 0x16  # the first byte of a TLS handshake record: a peer that speaks TLS to a side that does not
 
 
 class State(Enum):
@@ -136,6 +143,7 @@ class Session:
         self._placing = 0  # bytes of `frames` held by the inline tensor being read into place
         self._decoder = Decoder(max_frame=HANDSHAKE_MAX_FRAME, budget=frames, place=self._destination)
         self._ids = itertools.count(1)
+        self._asked: dict[int, str] = {}  # id -> type of the requests sent and not yet answered (MAX_ASKED)
         self._out = bytearray()
         self.error: ProtocolError | None = None  # what ended the session, once it is raised
         hello = Hello(id=self.next_id(), version=VERSION, swarm=swarm, **me, nonce=os.urandom(NONCE_BYTES),
@@ -171,7 +179,12 @@ class Session:
             validate(wire)
         except ProtocolError as exc:  # our own bug, not the peer's: say so
             raise ValueError(f"refusing to send an invalid message: {exc.message}") from None
-        return encode_pieces(wire)
+        pieces = encode_pieces(wire)
+        if message.t in REPLIES and message.t != "ping":  # (a reply must name one: pongs are taken as they come)
+            self._asked[message.id] = message.t
+            if len(self._asked) > MAX_ASKED:
+                del self._asked[next(iter(self._asked))]
+        return pieces
 
     def clear(self) -> None:
         """Drop every stream and frame not yet complete (the connection ended): their bytes return to
@@ -222,9 +235,13 @@ class Session:
                     self._placed()
                 events += self._handle(received.message, received.size, received.body)
         except ProtocolError as exc:
+            if self._decoder.first == TLS_RECORD and self.state is State.HELLO and exc.code == "too_large":
+                exc = ProtocolError(exc.code, "the peer speaks TLS and this side does not (its first bytes are a TLS "
+                                              "record, not a frame): both sides need TLS, or neither")
+                self._decoder.error = exc
             self.error = exc
             if not events:
-                raise
+                raise exc from None
         except Exception as exc:  # a check this code lacks: still the peer's bytes, not a reason to crash
             QUIET.log(logging.ERROR, "unhandled frame", "a frame from the peer could not be handled", exc_info=True)
             self.error = ProtocolError("bad_frame", f"the frame could not be decoded: {exc!r}")
@@ -258,8 +275,8 @@ class Session:
             raise ProtocolError("handshake", f"expected auth, got {kind}")
         peer_side = "acceptor" if self.dialler else "dialler"
         if not hmac.compare_digest(message["mac"], proof(self.secret, self._transcript(), peer_side)):
-            raise ProtocolError("auth_failed", "authentication failed: wrong swarm secret, or a proof made for "
-                                               "another connection")
+            raise ProtocolError("auth_failed", "authentication failed: the peer's swarm secret is not this side's "
+                                               "(or its proof was made for another connection)")
         if not self.dialler:  # the acceptor proves only once the dialler has
             self._send_proof()
         return self._open()
@@ -270,8 +287,10 @@ class Session:
                                            f"{VERSION}: upgrade the older one")
         if hello["swarm"] != self.swarm:
             raise ProtocolError("swarm", f"swarm {hello['swarm']!r} is not {self.swarm!r}")
-        if hello["auth"] != (self.secret is not None):
-            raise ProtocolError("auth_required", "one side has a swarm secret and the other has none")
+        if hello["auth"] and self.secret is None:
+            raise ProtocolError("auth_required", "the peer has a swarm secret and this side has none")
+        if not hello["auth"] and self.secret is not None:
+            raise ProtocolError("auth_required", "this side has a swarm secret and the peer has none")
         if not is_node_id(hello["node"]):
             raise ProtocolError("handshake", "node id must be 32 lowercase hex digits")
         if hello["node"] == self.me["node"]:
@@ -325,6 +344,10 @@ class Session:
             return [Frame(kind, size, data.numel() * data.element_size())]
         if kind in ("hello", "auth"):
             raise ProtocolError("unexpected", f"{kind} after the handshake")
+        re = message.get("re")
+        if (re is None or self._asked.pop(re, None) is None) and kind in CHECKED_REPLIES:
+            raise ProtocolError("unexpected", f"{kind} answering {'nothing' if re is None else f'message {re}'}: "
+                                              "no request of this side's awaits it")
         attached = {}
         if kind in STREAM_FIELDS:  # the message names streams: hand it over with their tensors
             field, attach = STREAM_FIELDS[kind]

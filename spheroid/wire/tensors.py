@@ -1,5 +1,9 @@
 """Tensors on the wire: the msgpack extension type and its codecs (raw, fp16, bf16, int8, int4, int2; lz4 on top).
 
+Every tensor codec is one class here, registered in `TENSOR_CODECS` (by its name on the wire) and
+`CODEC_OPTIONS` (by the name configs and the command line give it): the wire, the averaging, the refreshes
+and the command line all read their codecs from there, so a new codec is a class here and its test.
+
 Extension type 1 carries one tensor. Its payload is itself a msgpack array:
 
     [dtype, shape, codec, compression, data, scales, block]
@@ -18,9 +22,8 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import lz4.block
 import msgpack
@@ -38,13 +41,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 FLOAT_DTYPES = {"float32", "float16", "bfloat16"}
-CODECS = ("raw", "fp16", "bf16", "int8", "int4", "int2")
 COMPRESSIONS = ("none", "lz4")
-QUANTIZED = {"int8": 127, "int4": 7, "int2": 1}  # codec -> the largest integer it writes (symmetric)
-BLOCK = {"int8": 4096, "int4": 4096, "int2": 256}  # elements per scale the encoder uses
-# the scales' type: int2's are bfloat16, since at 256 values a scale float32 scales would be 9% of
-# its bytes (its scale is a rule of thumb, 2.5 times a mean: bfloat16's 3 digits lose nothing)
-SCALE_DTYPE = {"int8": torch.float32, "int4": torch.float32, "int2": torch.bfloat16}
+MAX_BLOCK = 4096  # a quantized tensor's block may be this long, or the tensor's length (decoding pads to whole blocks)
 INT8_ERROR = 0.5 / 127  # int8's worst-case error, relative to the largest magnitude of a block
 INT4_ERROR = 0.5 / 7
 # int2 writes -1, 0 or 1 times a scale of INT2_MEAN_SCALE times the mean magnitude of a block of
@@ -60,6 +58,214 @@ INT4_ERROR = 0.5 / 7
 INT2_MEAN_SCALE = 2.5
 
 
+class TensorCodec:
+    """How a tensor's values travel in extension type 1: its `data`, and its `scales` and `block`
+    where it has them. One subclass per codec, registered with `@register`; everything else (the
+    frame codec, streams, the averaging, refreshes, the command line) looks codecs up by name."""
+
+    name: ClassVar[str]  # in a tensor's header on the wire
+    option: ClassVar[str] = ""  # in configs and on the command line (--codec, --refresh-codec); unset: `name`
+    lossy: ClassVar[bool] = True  # what is decoded differs from what was encoded
+    floats_only: ClassVar[bool] = True  # for floating-point tensors only
+    scaled: ClassVar[bool] = False  # carries scales (one per `block` values); else `scales` is empty and `block` 0
+    # averaging in it needs error feedback: without what it loses sent later, progress is lost
+    needs_feedback: ClassVar[bool] = False
+    # the codec a change of many rounds' worth goes in instead (what this one loses of it would take
+    # rounds to send; None: this one)
+    catch_up: ClassVar[str | None] = None
+
+    def nbytes(self, itemsize: int, n: int) -> int:
+        """Bytes of `data` (before compression) that hold n values of `itemsize` bytes, at most."""
+        raise NotImplementedError
+
+    def data_bytes(self, data: bytes | memoryview, itemsize: int, n: int) -> int:
+        """Bytes `data` (decompressed) must hold for n values: `nbytes` unless its size depends on them."""
+        return self.nbytes(itemsize, n)
+
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | memoryview, bytes, int]:
+        """A flat CPU tensor's (data, scales, block): the data may be a view of its memory."""
+        raise NotImplementedError
+
+    def decode(self, data: bytes | memoryview, scales: bytes, block: int, n: int, dtype: torch.dtype
+               ) -> torch.Tensor:
+        """`encode`'s inverse: n values of `dtype` (`data` holds `data_bytes`; `scales` and `block` are
+        as they came: ProtocolError unless they make sense)."""
+        raise NotImplementedError
+
+
+TENSOR_CODECS: dict[str, TensorCodec] = {}  # name on the wire -> codec, in the order they were registered
+CODEC_OPTIONS: dict[str, TensorCodec] = {}  # name in configs and on the command line -> codec
+
+
+def register(cls: type[TensorCodec]) -> type[TensorCodec]:
+    """Add a codec to `TENSOR_CODECS` and `CODEC_OPTIONS`."""
+    cls.option = cls.option or cls.name
+    if cls.name in TENSOR_CODECS or cls.option in CODEC_OPTIONS:
+        raise ValueError(f"a codec named {cls.name!r} or {cls.option!r} is registered already")
+    TENSOR_CODECS[cls.name] = CODEC_OPTIONS[cls.option] = cls()
+    return cls
+
+
+@register
+class Raw(TensorCodec):
+    """The values as they lie in memory, in their own dtype (any dtype)."""
+
+    name, option, lossy, floats_only = "raw", "fp32", False, False
+
+    def nbytes(self, itemsize: int, n: int) -> int:
+        return n * itemsize
+
+    def encode(self, flat: torch.Tensor) -> tuple[memoryview, bytes, int]:
+        return as_view(flat), b"", 0
+
+    def decode(self, data: bytes | memoryview, scales: bytes, block: int, n: int, dtype: torch.dtype
+               ) -> torch.Tensor:
+        return from_bytes(data, dtype)
+
+
+class Cast(TensorCodec):
+    """The values cast to a 16-bit float type, and back to their dtype when decoded."""
+
+    dtype: ClassVar[torch.dtype]
+
+    def nbytes(self, itemsize: int, n: int) -> int:
+        return n * self.dtype.itemsize
+
+    def encode(self, flat: torch.Tensor) -> tuple[memoryview, bytes, int]:
+        return as_view(flat.to(self.dtype)), b"", 0
+
+    def decode(self, data: bytes | memoryview, scales: bytes, block: int, n: int, dtype: torch.dtype
+               ) -> torch.Tensor:
+        return from_bytes(data, self.dtype).to(dtype)
+
+
+@register
+class FP16(Cast):
+    name, dtype = "fp16", torch.float16
+
+
+@register
+class BF16(Cast):
+    name, dtype = "bf16", torch.bfloat16
+
+
+class Quantized(TensorCodec):
+    """Symmetric integers in [-top, top], one scale per `block` values: q = round(x / s), with
+    s = max|x| / top (`scale`), or 1 for an all-zero block. The integers travel as `packed` lays
+    them out (only this codec's packing is computed: int2's alone costs several times int8's whole
+    encoding)."""
+
+    scaled = True
+    top: ClassVar[int]  # the largest integer it writes
+    block: ClassVar[int]  # values per scale the encoder uses
+    scale_dtype: ClassVar[torch.dtype] = torch.float32  # the scales' type on the wire
+    data_dtype: ClassVar[torch.dtype] = torch.uint8  # `data` read as this before `unpacked`
+
+    def scale(self, padded: torch.Tensor, n: int) -> torch.Tensor:
+        """Each block's scale (before an all-zero block's becomes 1), from the values padded to whole blocks."""
+        return padded.abs().amax(dim=1) / self.top
+
+    def packed(self, q: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def unpacked(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def quantize(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the integers, as int8; the scales, as float32) of float32 values."""
+        n, block = flat.numel(), self.block
+        padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
+        scales = self.scale(padded, n)
+        scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(padded / scales[:, None]).clamp(-self.top, self.top)
+        return q.to(torch.int8).view(-1)[:n], scales.float()
+
+    def encode(self, flat: torch.Tensor) -> tuple[memoryview, bytes, int]:
+        q, s = self.quantize(flat.float())
+        return as_view(self.packed(q)), as_bytes(s.to(self.scale_dtype)), self.block
+
+    def decode(self, data: bytes | memoryview, scales: bytes, block: int, n: int, dtype: torch.dtype
+               ) -> torch.Tensor:
+        most = max(n, MAX_BLOCK)  # (decoding pads to whole blocks: a huge block would allocate it)
+        n_scales = -(-n // block) if 0 < block <= most else -1
+        if n_scales < 0 or len(scales) != self.scale_dtype.itemsize * n_scales:
+            raise ProtocolError("bad_tensor", f"{self.name} needs 0 < block <= {most} and "
+                                              f"{max(n_scales, 0)} {DTYPE_NAMES[self.scale_dtype]} scales")
+        q = self.unpacked(from_bytes(data, self.data_dtype), n)
+        return dequantize(q, from_bytes(scales, self.scale_dtype).float(), block).to(dtype)
+
+
+@register
+class Int8(Quantized):
+    """A byte a value."""
+
+    name, top, block, data_dtype = "int8", 127, 4096, torch.int8
+
+    def nbytes(self, itemsize: int, n: int) -> int:
+        return n
+
+    def packed(self, q: torch.Tensor) -> torch.Tensor:
+        return q
+
+    def unpacked(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        return raw
+
+
+@register
+class Int4(Quantized):
+    """Two values a byte (`pack`)."""
+
+    name, top, block, catch_up = "int4", 7, 4096, "int8"
+
+    def nbytes(self, itemsize: int, n: int) -> int:
+        return -(-n // 2)
+
+    def packed(self, q: torch.Tensor) -> torch.Tensor:
+        return pack(q, 4)
+
+    def unpacked(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        return unpack(raw, n, 4)
+
+
+@register
+class Int2(Quantized):
+    """-1, 0 or 1 times a scale of INT2_MEAN_SCALE times a block's mean magnitude, or its largest if
+    smaller (a last partial block's mean over its own values), rounded toward zero to bfloat16: its
+    scales are bfloat16, since at 256 values a block float32 scales would be 9% of its bytes (a rule
+    of thumb, 2.5 times a mean: bfloat16's 3 digits lose nothing). Written as `ternary_pack` lays
+    them out: its size depends on how many values are not 0, which its bitmap says.
+
+    It zeroes values under 1.25 times its block's mean magnitude: averaging in it needs error
+    feedback, or small steady progress would never reach the shared state."""
+
+    name, top, block, scale_dtype, needs_feedback, catch_up = "int2", 1, 256, torch.bfloat16, True, "int8"
+
+    def nbytes(self, itemsize: int, n: int) -> int:
+        return 2 * -(-n // 8)  # (its bitmap, then a sign bit for each value, were none 0)
+
+    def data_bytes(self, data: bytes | memoryview, itemsize: int, n: int) -> int:
+        bitmap = -(-n // 8)
+        return bitmap + -(-nonzero(from_bytes(data[:bitmap], torch.uint8), n) // 8)
+
+    def scale(self, padded: torch.Tensor, n: int) -> torch.Tensor:
+        counts = torch.full((padded.shape[0],), float(self.block))
+        if n:
+            counts[-1] = n - self.block * (padded.shape[0] - 1)
+        # (at most the largest: a block of values all about the same size, or a last block of one
+        # value, would otherwise round to zeros, and what error feedback owes them would too)
+        scales = torch.minimum(INT2_MEAN_SCALE * (padded.abs().sum(dim=1) / counts), padded.abs().amax(dim=1))
+        # as it travels: rounded toward zero to bfloat16 (its float32 bits but the upper 16), so that
+        # it stays at most the largest value and finite
+        return (scales.view(torch.int32) & ~0xFFFF).view(torch.float32)
+
+    def packed(self, q: torch.Tensor) -> torch.Tensor:
+        return ternary_pack(q)
+
+    def unpacked(self, raw: torch.Tensor, n: int) -> torch.Tensor:
+        return ternary_unpack(raw, n)
+
+
+
 @dataclass(frozen=True)
 class Limits:
     """Bounds a decoder enforces before it allocates anything for a tensor. `max_bytes`: of the
@@ -72,18 +278,6 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
-
-def codec_nbytes(dtype: str, codec: str, n: int) -> int:
-    """Bytes of `data` (before compression) that hold n values of dtype in codec; for int2 the most
-    (its bitmap, then a sign bit for each value, were none 0)."""
-    if codec == "raw":
-        return n * DTYPES[dtype].itemsize
-    if codec == "int4":
-        return -(-n // 2)
-    if codec == "int2":
-        return 2 * -(-n // 8)
-    return n * {"fp16": 2, "bf16": 2, "int8": 1}[codec]
-
 
 def encode_tensor(tensor: torch.Tensor, codec: str = "raw", compression: str = "none") -> bytes:
     """A tensor as the payload of extension type 1. lz4 is kept only if it shrinks the data."""
@@ -98,23 +292,12 @@ def encode_tensor_pieces(tensor: torch.Tensor, codec: str = "raw", compression: 
     dtype = DTYPE_NAMES.get(tensor.dtype)
     if dtype is None:
         raise ValueError(f"dtype {tensor.dtype} cannot travel; use one of {sorted(DTYPES)}")
-    if codec not in CODECS or compression not in COMPRESSIONS:
-        raise ValueError(f"codec must be one of {CODECS} and compression one of {COMPRESSIONS}")
-    if codec != "raw" and dtype not in FLOAT_DTYPES:
+    if codec not in TENSOR_CODECS or compression not in COMPRESSIONS:
+        raise ValueError(f"codec must be one of {tuple(TENSOR_CODECS)} and compression one of {COMPRESSIONS}")
+    if TENSOR_CODECS[codec].floats_only and dtype not in FLOAT_DTYPES:
         raise ValueError(f"codec {codec} applies to floating-point tensors, not {dtype}")
     flat = tensor.detach().to("cpu").contiguous().view(-1)
-    scales, block = b"", 0
-    if codec == "raw":
-        data = as_view(flat)
-    elif codec == "fp16":
-        data = as_view(flat.to(torch.float16))
-    elif codec == "bf16":
-        data = as_view(flat.to(torch.bfloat16))
-    else:
-        block = BLOCK[codec]
-        q, s = quantize(flat.float(), block, codec)
-        packed = PACKERS[codec](q)
-        data, scales = as_view(packed), as_bytes(s.to(SCALE_DTYPE[codec]))
+    data, scales, block = TENSOR_CODECS[codec].encode(flat)
     if compression == "lz4":
         packed = lz4.block.compress(data, store_size=False)
         if len(packed) < len(data):
@@ -205,16 +388,17 @@ def decode_fields(dtype: Any, shape: Any, codec: Any, compression: Any, data: by
         raise ProtocolError("bad_tensor", "dtype, codec and compression must be strings")
     if dtype not in DTYPES:
         raise ProtocolError("bad_tensor", f"unknown dtype {dtype!r}")
-    if codec not in CODECS or compression not in COMPRESSIONS:
+    if codec not in TENSOR_CODECS or compression not in COMPRESSIONS:
         raise ProtocolError("bad_tensor", f"unknown codec {codec!r} or compression {compression!r}")
-    if codec != "raw" and dtype not in FLOAT_DTYPES:
+    kind = TENSOR_CODECS[codec]
+    if kind.floats_only and dtype not in FLOAT_DTYPES:
         raise ProtocolError("bad_tensor", f"codec {codec} is only for floating-point dtypes, not {dtype}")
     if (type(shape) is not list or len(shape) > limits.max_dims
             or not all(type(n) is int and n >= 0 for n in shape)):
         raise ProtocolError("bad_tensor", f"shape must be at most {limits.max_dims} non-negative integers")
     if type(scales) is not bytes or type(block) is not int:
         raise ProtocolError("bad_tensor", "scales must be bin, block an integer")
-    if codec not in QUANTIZED and (scales or block):
+    if not kind.scaled and (scales or block):
         raise ProtocolError("bad_tensor", f"codec {codec} carries no scales: scales must be empty and block 0")
     numel = math.prod(shape)
     if numel > limits.max_elements:
@@ -222,57 +406,16 @@ def decode_fields(dtype: Any, shape: Any, codec: Any, compression: Any, data: by
     if numel * DTYPES[dtype].itemsize > limits.max_bytes:
         raise ProtocolError("too_large", f"tensor of {numel} {dtype} decodes to more than the {limits.max_bytes} "
                                          "bytes a frame's tensors may take: send it as a stream of smaller chunks")
-    expected = codec_nbytes(dtype, codec, numel)
+    expected = kind.nbytes(DTYPES[dtype].itemsize, numel)
     if compression == "lz4":
         try:
             data = lz4.block.decompress(data, uncompressed_size=expected)
         except lz4.block.LZ4BlockError as exc:
             raise ProtocolError("bad_tensor", f"lz4 data does not decompress to {expected} bytes: {exc}") from None
-    if codec == "int2":  # (its size depends on how many values are not 0: its bitmap says)
-        bitmap = -(-numel // 8)
-        expected = bitmap + -(-nonzero(from_bytes(data[:bitmap], torch.uint8), numel) // 8)
+    expected = kind.data_bytes(data, DTYPES[dtype].itemsize, numel)
     if len(data) != expected:
         raise ProtocolError("bad_tensor", f"shape {shape} of {dtype}/{codec} needs {expected} bytes, got {len(data)}")
-    if codec == "raw":
-        flat = from_bytes(data, DTYPES[dtype])
-    elif codec in ("fp16", "bf16"):
-        flat = from_bytes(data, torch.float16 if codec == "fp16" else torch.bfloat16).to(DTYPES[dtype])
-    else:
-        most = max(numel, BLOCK["int8"])  # (decoding pads to whole blocks: a huge block would allocate it)
-        n_scales = -(-numel // block) if 0 < block <= most else -1
-        scale_type = SCALE_DTYPE[codec]
-        if n_scales < 0 or len(scales) != scale_type.itemsize * n_scales:
-            raise ProtocolError("bad_tensor", f"{codec} needs 0 < block <= {most} and "
-                                              f"{max(n_scales, 0)} {DTYPE_NAMES[scale_type]} scales")
-        raw = from_bytes(data, torch.int8 if codec == "int8" else torch.uint8)
-        q = UNPACKERS[codec](raw, numel)
-        flat = dequantize(q, from_bytes(scales, scale_type).float(), block).to(DTYPES[dtype])
-    return flat.view(shape)
-
-
-def quantize(flat: torch.Tensor, block: int, codec: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric integers with one scale per `block` elements: q = round(x / s) in [-top, top],
-    s = max|x| / top (top = 127 for int8, 7 for int4), or for int2 (top 1)
-    s = min(INT2_MEAN_SCALE mean|x|, max|x|) (a last partial block's mean over its own values)
-    rounded toward zero to bfloat16; 1 for an all-zero block. The scales as float32."""
-    n = flat.numel()
-    padded = torch.nn.functional.pad(flat, (0, -n % block)).view(-1, block)
-    if codec == "int2":
-        counts = torch.full((padded.shape[0],), float(block))
-        if n:
-            counts[-1] = n - block * (padded.shape[0] - 1)
-        # (at most the largest: a block of values all about the same size, or a last block of one
-        # value, would otherwise round to zeros, and what error feedback owes them would too)
-        scales = torch.minimum(INT2_MEAN_SCALE * (padded.abs().sum(dim=1) / counts), padded.abs().amax(dim=1))
-        # as it travels: rounded toward zero to bfloat16 (its float32 bits but the upper 16), so that
-        # it stays at most the largest value and finite
-        scales = (scales.view(torch.int32) & ~0xFFFF).view(torch.float32)
-    else:
-        scales = padded.abs().amax(dim=1) / QUANTIZED[codec]
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    top = QUANTIZED[codec]
-    q = torch.round(padded / scales[:, None]).clamp(-top, top)
-    return q.to(torch.int8).view(-1)[:n], scales.float()
+    return kind.decode(data, scales, block, numel, DTYPES[dtype]).view(shape)
 
 
 def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
@@ -315,15 +458,6 @@ def ternary_unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
     q = nonzero.to(torch.int8)
     q[nonzero] = torch.where(negative, -1, 1).to(torch.int8)
     return q
-
-
-# each quantized codec's integers as they travel, and back: only the codec's own is computed (a
-# table of the packed values themselves packed every tensor three ways, and int2's packing alone
-# costs several times int8's whole encoding); the packers are looked up by name when called
-PACKERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "int8": lambda q: q, "int4": lambda q: pack(q, 4), "int2": lambda q: ternary_pack(q)}
-UNPACKERS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
-    "int8": lambda raw, n: raw, "int4": lambda raw, n: unpack(raw, n, 4), "int2": lambda raw, n: ternary_unpack(raw, n)}
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
