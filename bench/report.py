@@ -525,16 +525,21 @@ def projection_lines(p: object) -> list[str]:
         if not isinstance(best, dict):
             continue
         fig = best.get("figures") or {}
-        memory = (fig.get("memory_mib") or {}).get("total")
+        memory = fig.get("memory_mib") or {}
         hourly = fig.get("bytes_per_hour")
         busiest = hourly.get("busiest_worker") if isinstance(hourly, dict) else None
-        rows.append([key, best.get("shape") or "none", num(memory, 0), mib(busiest)])
+        over = best.get("first_too_large") or {}
+        rows.append([key, best.get("shape") or "none", num(memory.get("device", memory.get("total")), 0),
+                     num(memory.get("total"), 0), "-" if busiest is None else num(busiest / MIB, 0),
+                     f"{over['shape']} ({num(over.get('largest_worker_mib'), 0)} MiB)" if over.get("shape") else "-"])
     if not rows:
         return []
     budget = (p.get("assumptions") or {}).get("memory_budget_mib")
-    return [f"The largest model shape whose largest worker trains in {num(budget, 0)} MiB, by the projection "
-            "(spheroid/projection.py; its assumptions are in the file):", "",
-            table(["method", "largest shape", "largest worker MiB", "MiB an hour, busiest worker"], rows), ""]
+    return [f"The largest model shape whose largest worker trains in {num(budget, 0)} MiB of device memory, by the "
+            "projection (spheroid/projection.py; its assumptions are in the file): MiB of that worker on the device "
+            "and in all (host buffers included), and what the busiest worker sends an hour:", "",
+            table(["method", "largest shape", "device MiB", "all MiB", "MiB sent an hour", "first shape too large"],
+                  rows), ""]
 
 
 # --- the pages ------------------------------------------------------------------------------------

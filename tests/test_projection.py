@@ -1,5 +1,6 @@
-"""spheroid/projection.py: exact parameter counts, activations and FLOPs calibrated against what torch
-really does at tiny shapes, and the traffic and memory facts the comparison of methods rests on."""
+"""spheroid/sizing.py: exact parameter counts, activations and FLOPs calibrated against what torch
+really does at tiny shapes; spheroid/projection.py: the traffic and memory facts the comparison of
+methods rests on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from spheroid import projection as P
+from spheroid import sizing as S
 from spheroid import train
 from spheroid.config import ModelConfig, RunConfig, TrainConfig
 from spheroid.model import DiffusionBlock, Reference
@@ -61,28 +63,28 @@ def trainers(cfg: RunConfig):
 def test_parameter_counts_are_exact_against_the_real_modules():
     cfg = run_config(32, 4, 32, 4, 3, 3)  # three layers a block: the counts extend one- and two-layer builds
     reference = Reference(cfg.model)
-    assert P.parameters(cfg.model, "reference") == sum(p.numel() for p in reference.parameters())
+    assert S.parameters(cfg.model, "reference") == sum(p.numel() for p in reference.parameters())
     for b in range(3):
         block = DiffusionBlock(cfg.model, 0.5, b)
-        counted = P.counts(cfg.model, b)
+        counted = S.counts(cfg.model, b)
         assert counted.params == sum(p.numel() for p in block.parameters())
         linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
         assert counted.linear_weights == sum(m.weight.numel() for m in linears)
         assert counted.relay_head == (b < 2)  # every block but the last reads its relay loss off a head
     plan = P.plan("blocktrain", cfg)
-    assert plan.parameters == sum(P.parameters(cfg.model, b) for b in range(3))
-    assert [w.frozen for w in plan.workers] == [0, P.parameters(cfg.model, 0), 2 * P.parameters(cfg.model, 0)]
+    assert plan.parameters == sum(S.parameters(cfg.model, b) for b in range(3))
+    assert [w.frozen for w in plan.workers] == [0, S.parameters(cfg.model, 0), 2 * S.parameters(cfg.model, 0)]
 
 
 def test_counts_at_7b_match_the_module_built_at_full_depth():
-    shape = P.SHAPES["llama-7b"]
+    shape = S.SHAPES["llama-7b"]
     reference = shape.model("e2e")
-    assert P.counts(reference, "reference") == P._built(reference, "reference")
+    assert S.counts(reference, "reference") == S._built(reference, "reference")
     blocks = shape.model("blocktrain", 4)
     for b in (0, 3):
-        assert P.counts(blocks, b) == P._built(blocks, b)
+        assert S.counts(blocks, b) == S._built(blocks, b)
     # spheroid's 7B shape: 32 layers of 12 d^2 (GPT-style MLP), a 256-byte vocabulary: 6.45B, not 6.7B
-    assert P.parameters(reference, "reference") == pytest.approx(32 * 12 * 4096**2, rel=0.01)
+    assert S.parameters(reference, "reference") == pytest.approx(32 * 12 * 4096**2, rel=0.01)
 
 
 # --- activations: the formula against the bytes autograd saves ---------------------------------------
@@ -106,9 +108,9 @@ def test_activations_within_15_percent_of_saved_tensors(shape, mode, monkeypatch
         for worker, module, loss_fn in trainers(cfg):
             _, measured, _ = saved_bytes(lambda: loss_fn(windows, torch.Generator().manual_seed(0)),  # noqa: B023
                                          module.parameters())
-            model = sum(P.activation_terms(cfg, worker, batch, act_bytes, fused).values())
+            model = sum(S.activation_terms(cfg, worker, batch, act_bytes, fused).values())
             if act_bytes == 2:  # autocast's bf16 copies of the weights, which it keeps for backward
-                model += 2 * P.counts(cfg.model, worker).linear_weights
+                model += 2 * S.counts(cfg.model, worker).linear_weights
             assert model == pytest.approx(measured, rel=0.15), (worker, mode)
             assert model == pytest.approx(measured, rel=0.02), (worker, mode)  # as calibrated: within 1%
 
@@ -117,9 +119,9 @@ def test_chain_streams_are_what_the_frozen_blocks_hand_on():
     cfg = run_config(32, 4, 32, 4, 1, 3)
     tokens = cfg.train.batch * cfg.model.context
     per_block = (3 * 32 * 4 + 32 * 4) * tokens  # each layer's qkv (the cache's k, v are views of it), the output
-    assert P.chain_streams(cfg, 0, cfg.train.batch) == 0
-    assert P.chain_streams(cfg, 1, cfg.train.batch) == per_block
-    assert P.chain_streams(cfg, 2, cfg.train.batch) == 3 * per_block  # the last block's own pass at read-off too
+    assert S.chain_streams(cfg, 0, cfg.train.batch) == 0
+    assert S.chain_streams(cfg, 1, cfg.train.batch) == per_block
+    assert S.chain_streams(cfg, 2, cfg.train.batch) == 3 * per_block  # the last block's own pass at read-off too
 
 
 # --- FLOPs -----------------------------------------------------------------------------------------------
@@ -148,12 +150,12 @@ def test_flops_within_20_percent_of_the_flop_counter():
             seed += 1
         assert len(seen) == (2 if worker == last else 1)
         measured = sum(seen) / len(seen)
-        assert P.worker_flops(cfg, worker, batch) == pytest.approx(measured, rel=0.20), worker
-        assert P.worker_flops(cfg, worker, batch) == pytest.approx(measured, rel=0.03), worker  # as calibrated
+        assert S.worker_flops(cfg, worker, batch) == pytest.approx(measured, rel=0.20), worker
+        assert S.worker_flops(cfg, worker, batch) == pytest.approx(measured, rel=0.03), worker  # as calibrated
 
 
 def test_flops_per_step_counts_the_chain():
-    shape = P.SHAPES["gpt3-xl-1.3b"]
+    shape = S.SHAPES["gpt3-xl-1.3b"]
     e2e = P.flops_per_step("e2e", shape)
     diloco = P.flops_per_step("diloco", shape, exchange=P.Exchange(workers=8))
     assert diloco["total"] == pytest.approx(8 * e2e["total"]) and diloco["largest_worker"] == e2e["largest_worker"]
@@ -162,25 +164,25 @@ def test_flops_per_step_counts_the_chain():
     assert flops == sorted(flops)  # each later block also runs the earlier ones forward
     # about 6 x parameters x tokens for the reference (plus attention)
     tokens = shape.context
-    assert e2e["total"] == pytest.approx(6 * P.parameters(shape.model("e2e"), "reference") * tokens, rel=0.25)
+    assert e2e["total"] == pytest.approx(6 * S.parameters(shape.model("e2e"), "reference") * tokens, rel=0.25)
 
 
 # --- codecs and traffic ---------------------------------------------------------------------------------
 
 
 def test_codec_bits_are_what_the_wire_sends():
-    assert P.codec_bits("fp32") == pytest.approx(32, rel=1e-3)
-    assert P.codec_bits("bf16") == pytest.approx(16, rel=1e-3)
-    assert P.codec_bits("int8") == pytest.approx(8 + 32 / 4096, rel=1e-3)  # a float32 scale per 4096 values
-    assert P.codec_bits("int2") == pytest.approx(2 + 16 / 256, rel=1e-3)  # at most; a bfloat16 scale per 256
+    assert S.codec_bits("fp32") == pytest.approx(32, rel=1e-3)
+    assert S.codec_bits("bf16") == pytest.approx(16, rel=1e-3)
+    assert S.codec_bits("int8") == pytest.approx(8 + 32 / 4096, rel=1e-3)  # a float32 scale per 4096 values
+    assert S.codec_bits("int2") == pytest.approx(2 + 16 / 256, rel=1e-3)  # at most; a bfloat16 scale per 256
     update = torch.randn(1 << 16)
     for codec in ("int8", "int4"):
-        assert 8 * len(encode_tensor(update, codec)) / update.numel() == pytest.approx(P.codec_bits(codec), rel=1e-3)
-    assert 8 * len(encode_tensor(update, "int2")) / update.numel() < P.codec_bits("int2")
+        assert 8 * len(encode_tensor(update, codec)) / update.numel() == pytest.approx(S.codec_bits(codec), rel=1e-3)
+    assert 8 * len(encode_tensor(update, "int2")) / update.numel() < S.codec_bits("int2")
 
 
 def test_e2e_sends_nothing_and_diloco_alone_neither():
-    shape = P.SHAPES["gpt3-small-125m"]
+    shape = S.SHAPES["gpt3-small-125m"]
     assert P.bytes_per_step("e2e", shape) == {"busiest_worker": 0.0, "total": 0.0}
     assert P.bytes_per_hour("e2e", shape)["busiest_worker"] == 0.0
     alone = P.Exchange(workers=1)
@@ -189,12 +191,12 @@ def test_e2e_sends_nothing_and_diloco_alone_neither():
 
 
 def test_diloco_sends_two_n_minus_one_over_n_of_the_vector_a_round():
-    shape = P.SHAPES["gpt3-small-125m"]
-    params = P.parameters(shape.model("e2e"), "reference")
+    shape = S.SHAPES["gpt3-small-125m"]
+    params = S.parameters(shape.model("e2e"), "reference")
     for workers in (2, 8):
         x = P.Exchange(workers=workers, every=20, codec="fp32")
         sent = P.bytes_per_step("diloco", shape, exchange=x)
-        vector = params * P.codec_bits("fp32") / 8
+        vector = params * S.codec_bits("fp32") / 8
         assert sent["busiest_worker"] == pytest.approx(2 * (workers - 1) / workers * vector / 20)
         assert sent["total"] == pytest.approx(workers * sent["busiest_worker"])
     # the anchor, the outer momentum, the int2 residual: three fp32 vectors, off the device
@@ -204,10 +206,10 @@ def test_diloco_sends_two_n_minus_one_over_n_of_the_vector_a_round():
 
 
 def test_blocktrain_refreshes_flow_from_earlier_blocks_to_later_ones():
-    shape = P.SHAPES["gpt3-xl-1.3b"]
+    shape = S.SHAPES["gpt3-xl-1.3b"]
     x = P.Exchange(refresh_every=10, refresh_codec="int8")
     plan = P.shape_plan(shape, "blocktrain", 4, exchange=x)
-    per_value = P.codec_bits("int8") / 8 / 10
+    per_value = S.codec_bits("int8") / 8 / 10
     sizes = [w.trained for w in plan.workers]
     assert plan.busiest.name == "block 0" and plan.largest.name == "block 3"
     for b, w in enumerate(plan.workers):
@@ -218,12 +220,12 @@ def test_blocktrain_refreshes_flow_from_earlier_blocks_to_later_ones():
     two = P.shape_plan(shape, "blocktrain", 4, exchange=dataclasses.replace(x, replicas=2, codec="int8", every=20))
     for one, w in zip(plan.workers, two.workers, strict=True):
         assert w.count == 2
-        assert w.sent == pytest.approx(one.sent + 2 * (1 / 2) * w.trained * P.codec_bits("int8") / 8 / 20)
+        assert w.sent == pytest.approx(one.sent + 2 * (1 / 2) * w.trained * S.codec_bits("int8") / 8 / 20)
     assert two.total("sent") == pytest.approx(two.total("received"))
 
 
 def test_bytes_per_hour_at_a_step_rate():
-    shape = P.SHAPES["gpt3-small-125m"]
+    shape = S.SHAPES["gpt3-small-125m"]
     per_step = P.bytes_per_step("diloco", shape)["busiest_worker"]
     assert P.bytes_per_hour("diloco", shape, steps_per_second=2.0)["busiest_worker"] == pytest.approx(7200 * per_step)
     # by default each worker steps at 50 TFLOP/s over its own FLOPs per step
@@ -239,11 +241,11 @@ def test_bytes_per_hour_at_a_step_rate():
 
 
 def test_blocktrain_largest_worker_holds_the_frozen_earlier_blocks():
-    shape = P.SHAPES["llama-7b"]
+    shape = S.SHAPES["llama-7b"]
     plan = P.shape_plan(shape, "blocktrain", 4)
     cfg = shape.model("blocktrain", 4)
     last = plan.largest
-    assert last.name == "block 3" and last.frozen == sum(P.parameters(cfg, b) for b in range(3))
+    assert last.name == "block 3" and last.frozen == sum(S.parameters(cfg, b) for b in range(3))
     assert last.memory.frozen == 4 * last.frozen  # fp32 copies, forward only: no gradients, no moments
     assert last.memory.weights == 4 * last.trained and last.memory.optimizer == 8 * last.trained
     assert plan.workers[0].memory.frozen == 0 and plan.workers[0].memory.chain_streams == 0
@@ -255,19 +257,19 @@ def test_blocktrain_largest_worker_holds_the_frozen_earlier_blocks():
 
 
 def test_7b_does_not_fit_e2e_in_24_gib_and_125m_does():
-    seven = P.shape_plan(P.SHAPES["llama-7b"], "e2e").largest
+    seven = P.shape_plan(S.SHAPES["llama-7b"], "e2e").largest
     assert seven.memory.weights + seven.memory.gradients + seven.memory.optimizer > 24 * 2**30  # 16 bytes a parameter
-    assert not P.figures(P.shape_plan(P.SHAPES["llama-7b"], "e2e"))["fits"]
-    assert P.figures(P.shape_plan(P.SHAPES["gpt3-small-125m"], "e2e"))["fits"]
+    assert not P.figures(P.shape_plan(S.SHAPES["llama-7b"], "e2e"))["fits"]
+    assert P.figures(P.shape_plan(S.SHAPES["gpt3-small-125m"], "e2e"))["fits"]
     # a blocktrain worker holds less than the e2e worker of the same shape
-    assert P.shape_plan(P.SHAPES["llama-7b"], "blocktrain", 8).largest.memory.device < seven.memory.device
+    assert P.shape_plan(S.SHAPES["llama-7b"], "blocktrain", 8).largest.memory.device < seven.memory.device
 
 
 def test_activations_grow_with_the_batch_and_halve_with_bf16():
     cfg = run_config(64, 4, 64, 8, 2, 3)
-    one, four = (sum(P.activation_terms(cfg, "reference", b, 4).values()) for b in (1, 4))
+    one, four = (sum(S.activation_terms(cfg, "reference", b, 4).values()) for b in (1, 4))
     assert four == pytest.approx(4 * one, rel=0.01)
-    bf16 = sum(P.activation_terms(cfg, "reference", 4, 2).values())
+    bf16 = sum(S.activation_terms(cfg, "reference", 4, 2).values())
     assert 0.5 * four < bf16 < 0.75 * four  # the residual stream, the norms and the log-softmax stay fp32
 
 
@@ -278,8 +280,8 @@ def test_largest_model_is_the_largest_that_fits():
         assert found["shape"] is not None, method
         assert found["figures"]["memory_mib"]["device"] <= budget / 2**20
         fits = {name: P.shape_plan(s, method, blocks).largest.memory.device <= budget
-                for name, s in P.LADDER.items() if s.n_layers % blocks == 0}
-        sizes = {name: P.shape_plan(P.LADDER[name], method, blocks).parameters for name in fits}
+                for name, s in S.LADDER.items() if s.n_layers % blocks == 0}
+        sizes = {name: P.shape_plan(S.LADDER[name], method, blocks).parameters for name in fits}
         assert found["shape"] == max((n for n in fits if fits[n]), key=sizes.get)
         assert found["first_too_large"]["largest_worker_mib"] > budget / 2**20
     assert P.largest_model("e2e", 24 * 2**30)["shape"] != "llama-7b"
@@ -291,7 +293,7 @@ def test_project_is_json_with_stable_keys():
     out = P.project()
     assert json.loads(json.dumps(out)) == out
     assert set(out) == {"schema", "assumptions", "shapes", "largest_model"}
-    assert set(out["shapes"]) == set(P.SHAPES)
+    assert set(out["shapes"]) == set(S.SHAPES)
     assert set(out["largest_model"]) == {"e2e", "diloco", "blocktrain_B4", "blocktrain_B8"}
     small = out["shapes"]["gpt3-small-125m"]
     assert "skipped" in small["methods"]["blocktrain_B8"]  # 12 layers do not split into 8 blocks
@@ -332,8 +334,8 @@ def test_at_bench_shape_matches_a_measured_step():
         trained = memory["weights"] + memory["gradients"] + memory["optimizer"]
         assert trained == pytest.approx((2 * params + moments) / 2**20)
         assert row["kept_for_backward_mib"] == pytest.approx(kept / 2**20, rel=0.15)
-    size = P.parameters(cfg.model, 0)
-    assert blocks["workers"][0]["bytes_per_step"]["sent"] == pytest.approx(2 * size * P.codec_bits("int8") / 8 / 5)
+    size = S.parameters(cfg.model, 0)
+    assert blocks["workers"][0]["bytes_per_step"]["sent"] == pytest.approx(2 * size * S.codec_bits("int8") / 8 / 5)
     assert blocks["workers"][2]["memory_mib"]["frozen"] == pytest.approx(4 * 2 * size / 2**20)
     assert json.loads(json.dumps(blocks)) == blocks
 
@@ -384,9 +386,9 @@ def cuda_figures(cfg: RunConfig, worker: str | int, windows: torch.Tensor) -> di
     memory = plan.workers[0 if worker == "reference" else worker].memory
     return {
         "saved": saved,
-        "saved_model": sum(P.activation_terms(cfg, worker, batch, 2).values())
-        + 2 * P.counts(cfg.model, worker).linear_weights,
-        "flops": sum(flops) / len(flops), "flops_model": P.worker_flops(cfg, worker, batch),
+        "saved_model": sum(S.activation_terms(cfg, worker, batch, 2).values())
+        + 2 * S.counts(cfg.model, worker).linear_weights,
+        "flops": sum(flops) / len(flops), "flops_model": S.worker_flops(cfg, worker, batch),
         "peak": peak, "peak_model": memory.device,
         "memory_mib": memory.mib(),
     }

@@ -101,11 +101,14 @@ def test_which_method_when_is_rendered_from_peers_json_and_only_when_it_exists(t
         "largest_model": {"e2e": {"shape": "gpt2-medium", "figures": {"memory_mib": {"total": 20000.0},
                                                                       "bytes_per_hour": {"busiest_worker": 0}}},
                           "blocktrain_B4": {"shape": "llama-7b", "figures": {
-                              "memory_mib": {"total": 23000.0}, "bytes_per_hour": {"busiest_worker": 5 * 2**20}}}}}}
+                              "memory_mib": {"total": 30000.0, "device": 23000.0},
+                              "bytes_per_hour": {"busiest_worker": 5 * 2**20}},
+                              "first_too_large": {"shape": "llama-13b", "largest_worker_mib": 40000.0}}}}}
     (tmp_path / "peers.json").write_text(json.dumps(with_projection))
     page = report.results_page(report.load(tmp_path))
-    assert "trains in 24,576 MiB" in page
-    assert "| blocktrain_B4 | llama-7b | 23,000 | 5.00 |" in page and "| e2e | gpt2-medium | 20,000 | 0.00 |" in page
+    assert "trains in 24,576 MiB of device memory" in page
+    assert "| blocktrain_B4 | llama-7b | 23,000 | 30,000 | 5 | llama-13b (40,000 MiB) |" in page
+    assert "| e2e | gpt2-medium | 20,000 | 20,000 | 0 | - |" in page
 
 
 def test_check_says_when_a_page_is_stale_and_writing_makes_it_current(tmp_path, capsys):
