@@ -335,7 +335,7 @@ class BlockNet(nn.Module):
         noisy tokens then read those and attend within their own chunk (the noisy rows of the mask).
         Each stream carries one condition broadcast over its tokens (a learned one for clean tokens,
         the noise level's for noisy ones) instead of one per token. Against one masked sequence this
-        keeps a quarter fewer activations for backward and trains faster (README, "The model").
+        keeps a quarter fewer activations for backward and trains faster (docs/method.md).
 
         `stream`: this block's clean stream, extended here to cover x (a fresh one if None), so the
         Euler steps of one traversal, and a serving session's traversals, compute it once.

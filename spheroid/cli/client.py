@@ -66,9 +66,10 @@ class ByteWriter:
 @click.option("--prompt", default="", help="Text to continue (locally; with --peer give it as TARGET).")
 @click.option("--bytes", "n_bytes", type=click.IntRange(1, 1 << 16), default=200, show_default=True,
               help="How many bytes to generate.")
-@click.option("--mode", type=click.Choice(["sweep", "ar", "spec"]), default="sweep", show_default=True,
-              help="sweep (K bytes per traversal), ar (one byte per traversal) or spec (speculative: drafted "
-                   "bytes checked with the next one; exactly ar's output in fewer traversals).")
+@click.option("--mode", type=click.Choice(["sweep", "ar", "spec"]), default="spec", show_default=True,
+              help="spec (speculative: drafted bytes checked with the next one; exactly ar's output in fewer "
+                   "traversals), ar (one byte per traversal) or sweep (K bytes per traversal: faster, not exact, "
+                   "and worse text than ar today).")
 @click.option("--k", "chunk", type=POSITIVE, default=None,
               help="Bytes denoised per traversal; with --mode spec, the most drafted bytes one checks.  [default: "
                    f"1; with --peer --mode sweep, as many as the window holds; with --mode spec, {DEFAULT_DRAFT}]")

@@ -62,7 +62,7 @@ class ReferenceServer(PipelineServer):
         positions stay within the model's context.
         """
         context = self.cfg.model.context
-        if msg.mode != "ar":
+        if msg.mode not in ("ar", "spec"):  # (spec, the client's default, is ar's output: here ar itself)
             raise ValueError("a reference pipeline generates in mode ar")
         self._check_generate(msg)
         decoder = Decoder(msg.prompt, msg.n_bytes, context, float(msg.temperature), msg.seed)  # (ar: chunk 1)
