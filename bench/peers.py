@@ -34,9 +34,9 @@ activations kept for backward, frozen copies of earlier blocks: the node measure
 steps) and wall time. Beside them, spheroid/projection.py's memory and traffic model at the bench's
 own shape against these measurements, and at public model shapes.
 
-Writes JSON (--out; by default bench/results/peers.json for the default preset, and
-runs/peers-<preset>/peers.json for the others, so that a smoke run never replaces a committed
-result), a PNG of CE against bytes and FLOPs beside it, and prints the tables.
+Writes JSON (--out; by default runs/peers-<preset>/peers.json: the committed result is written
+with `--out bench/results/peers.json`, then `make results`), a PNG of CE against bytes and FLOPs
+beside it, and prints the tables.
 
     python bench/peers.py [--preset ci|default] [--out FILE] [--work DIR] [--data DIR]
 """
@@ -346,9 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay of every link")
     parser.add_argument("--mbit", type=float, default=50.0, help="bandwidth of every link, per direction")
     parser.add_argument("--data", default=os.environ.get("SPHEROID_DATA"), help="WikiText folder")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="JSON results (default bench/results/peers.json for the default preset, else "
-                             "runs/peers-<preset>/peers.json)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results (default runs/peers-<preset>/peers.json)")
     parser.add_argument("--work", type=Path, default=None,
                         help="node folders and snapshots (default runs/peers-<preset>)")
     parser.add_argument("--resume", action="store_true",
@@ -358,7 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)
     p = PRESETS[args.preset]
     work = args.work or Path("runs") / f"peers-{args.preset}"
-    out = args.out or (Path("bench/results/peers.json") if args.preset == "default" else work / "peers.json")
+    out = args.out or work / "peers.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     spec = LinkSpec(args.delay_ms, args.mbit)
     cfg = preset_config(p)
