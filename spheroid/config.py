@@ -322,7 +322,7 @@ class NodeConfig:
     # a connection that reach() dialled (averaging with a peer beyond those) is closed once it has
     # carried nothing but pings this long while the node holds more than max_peers connections
     reach_idle: float = 60.0
-    max_known: int = 10_000  # entries of the known-peers table (random eviction when full)
+    max_known: int = 10_000  # entries of the known-peers table (full: a random one not connected nor a seed goes)
     recv_budget: int = 384 << 20  # bytes of incoming tensor streams the node holds, all connections together
 
     def __post_init__(self) -> None:

@@ -13,9 +13,10 @@ import pytest
 
 from spheroid.config import NodeConfig
 from spheroid.node.accounting import Traffic
-from spheroid.node.connection import Connection, PeerGone, PeerRefused, TlsFailed, dial
+from spheroid.node.connection import Connection, PeerGone, PeerRefused, dial
 from spheroid.node.identity import load_or_create
 from spheroid.node.node import Node, PeerInfo
+from spheroid.node.tls import TlsFailed
 from spheroid.wire import VERSION, ProtocolError, encode
 from spheroid.wire.messages import Message, Peers, PeersReply, Status
 from spheroid.wire.session import Session

@@ -7,6 +7,9 @@ copied on their way to the decoder), and writes go out with backpressure (paused
 transport's buffer is full, under a timeout). It counts every frame, stops reading while the
 messages it has not handed over pile up, times out every wait for the peer, and matches replies
 ("re") to the requests waiting for them. Heavy tensor encoding runs in a worker thread.
+
+`dial` and `listen` make connections; what TLS adds (the listener that refuses a plain peer in
+plain text, the words for a failed TLS handshake) is in `tls`, which knows nothing of a session.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable
@@ -23,11 +25,12 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from ..progress import QuietLog
-from ..wire import Encoded, Outgoing, ProtocolError, encode, stream_frames
+from ..wire import Encoded, Outgoing, ProtocolError, stream_frames
 from ..wire.messages import INLINE, REPLIES, SCHEMAS, STREAM_FIELDS, Error, Hello, Message
-from ..wire.session import TLS_RECORD, Arrived, Frame, Opened, Refused, Session
+from ..wire.session import Arrived, Frame, Opened, Refused, Session
 from ..wire.streams import RAW_CHUNK_BYTES
 from .accounting import Traffic
+from .tls import TlsFailed, TlsServer, tls_cause
 
 log = logging.getLogger(__name__)
 LARGE_WAITS = 30  # timeouts a state transfer's reply may take while the peer keeps sending (5 min by default)
@@ -54,7 +57,6 @@ class PeerRefused(PeerGone):
     def __init__(self, code: str, text: str) -> None:
         super().__init__(text)
         self.code = code
-
 
 
 def handshake_failure(exc: BaseException, peer: str, me: str, secret: bool) -> str:

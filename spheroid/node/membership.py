@@ -4,8 +4,9 @@
 (`known`), configuration and tasks it uses: gossip swaps samples of peer lists with connected
 peers (less often while membership does not change) and dials a few of the peers it learns of,
 oldest-learned first, backing off from failures; a peer neither connected nor advertised for
-`forget_after` is forgotten, and the table is bounded; the seed loop re-dials the seed list so a
-split swarm heals. The peer table is saved beside the node's identity when it stops.
+`forget_after` is forgotten, and the table is bounded (`PeerTable`: once full, a newcomer takes the
+place of a random entry that is neither connected nor a seed, found in O(1)); the seed loop re-dials
+the seed list so a split swarm heals. The peer table is saved beside the node's identity when it stops.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 from ..checkpoint import atomic_write
@@ -28,6 +30,10 @@ log = logging.getLogger(__name__)
 
 DIALS_AT_ONCE = 16  # dials to learned peers in flight at once
 SETTLED_FANOUT = 2  # peers a node connected to all it knows asks for peer lists once membership settles
+# a full table's evictions: entries looked at at random for one to evict, then at most this many
+# more in a row from a random one (so a table of up to EVICT_SCAN entries is always searched whole)
+EVICT_PICKS, EVICT_SCAN = 16, 256
+EVICTIONS_PER_LIST = 16  # entries one peer list (or busy refusal) may evict from a full table
 
 
 @dataclass
@@ -46,6 +52,83 @@ class PeerInfo:
 
     def entry(self) -> dict:
         return {"node": self.node, "addr": self.addr, "role": self.role, "blocks": self.blocks, "serves": self.serves}
+
+
+class PeerTable(dict[str, PeerInfo]):
+    """The known-peers table: PeerInfo by node id, as a dict, that also keeps its ids in a list (a
+    deletion moves the last id into the gap), so that `evict` finds an entry to drop in O(1) rather
+    than scanning all 10,000 for every newcomer of a full table (160 members listing 64 unknown
+    peers each had blocked the event loop for 5-7 s). Seeds are the entries at a --peer address or
+    with a node id a seed dial reached (`seed_nodes`)."""
+
+    def __init__(self, seeds: Iterable[str] = ()) -> None:
+        super().__init__()
+        self._ids: list[str] = []
+        self._at: dict[str, int] = {}  # node id -> its index in _ids
+        self.seed_addrs = frozenset(seeds)
+        self.seed_nodes: set[str] = set()
+
+    def __setitem__(self, node: str, info: PeerInfo) -> None:
+        if node not in self._at:
+            self._at[node] = len(self._ids)
+            self._ids.append(node)
+        super().__setitem__(node, info)
+
+    def __delitem__(self, node: str) -> None:
+        super().__delitem__(node)
+        self.seed_nodes.discard(node)  # (a seed dial that reaches it again says so again)
+        i, last = self._at.pop(node), self._ids.pop()
+        if last != node:
+            self._ids[i], self._at[last] = last, i
+
+    # (dict's own versions of these would bypass the index)
+    def pop(self, node: str, *default):
+        if node not in self:
+            return dict.pop(self, node, *default)
+        info = self[node]
+        del self[node]
+        return info
+
+    def popitem(self) -> tuple[str, PeerInfo]:
+        node = next(reversed(self))
+        return node, self.pop(node)
+
+    def clear(self) -> None:
+        super().clear()
+        self._ids.clear()
+        self._at.clear()
+
+    def setdefault(self, node: str, default: PeerInfo) -> PeerInfo:
+        if node not in self:
+            self[node] = default
+        return self[node]
+
+    def update(self, *args, **kwargs) -> None:
+        for node, info in dict(*args, **kwargs).items():
+            self[node] = info
+
+    def __ior__(self, other):
+        self.update(other)
+        return self
+
+    def evictable(self, node: str, connected: Container[str]) -> bool:
+        return node not in connected and node not in self.seed_nodes and self[node].addr not in self.seed_addrs
+
+    def evict(self, connected: Container[str]) -> str | None:
+        """Drop a random entry that is neither connected nor a seed; its id, or None if none was found.
+        A uniform pick among them in all but a table almost all connected or seeds: EVICT_PICKS
+        entries at random, then up to EVICT_SCAN in a row from a random one, so at most
+        EVICT_PICKS + EVICT_SCAN looks however large the table."""
+        n = len(self._ids)
+        if not n:
+            return None
+        start = random.randrange(n)
+        picks = [random.randrange(n) for _ in range(EVICT_PICKS)]
+        for i in [*picks, *((start + k) % n for k in range(min(n, EVICT_SCAN)))]:
+            if self.evictable(node := self._ids[i], connected):
+                del self[node]
+                return node
+        return None
 
 
 def backoff(base: float, times: int) -> float:
@@ -145,29 +228,33 @@ class Membership:
         list is malformed."""
         if len(entries) > MAX_PEER_ENTRIES:
             raise ProtocolError("bad_field", f"{what} lists {len(entries)} peers, more than {MAX_PEER_ENTRIES}")
+        now = time.monotonic() if now is None else now
+        evicted = 0  # (one list's share of a full table: EVICTIONS_PER_LIST; what it lists beyond is not learned)
         for entry in entries:
-            self.learn(validate_peer(entry), time.monotonic() if now is None else now)
+            evicted += self.learn(validate_peer(entry), now, evict=evicted < EVICTIONS_PER_LIST)
 
-    def learn(self, entry: dict, now: float) -> None:
+    def learn(self, entry: dict, now: float, evict: bool = True) -> bool:
         """A peer entry (node, addr, role, blocks, serves) heard from another node: kept in the known-peers
         table, which gossip dials from, unless it is this node, a client or malformed. For a peer known
         already, the address heard replaces the known one only while dials to that one fail (the
-        peer came back elsewhere): a working address is never replaced by hearsay."""
+        peer came back elsewhere): a working address is never replaced by hearsay. A new peer finding
+        the table full takes the place of a random peer neither connected nor a seed (`PeerTable.evict`),
+        if `evict`, and is dropped otherwise. Whether it evicted one."""
         node = entry["node"]
         if node == self.id or entry["role"] == "client" or not is_node_id(node):
-            return
+            return False
         try:
             parse_addr(entry["addr"])
         except ValueError:
             log.debug("ignoring peer %s with address %r", node[:8], entry["addr"])
-            return
+            return False
         info = self.known.get(node)
+        evicted = False
         if info is None:
-            if len(self.known) >= self.cfg.max_known:  # full: a random peer not connected makes room
-                idle = [n for n in self.known if n not in self.conns]
-                if not idle:
-                    return
-                del self.known[random.choice(idle)]
+            if len(self.known) >= self.cfg.max_known:  # full: a random peer not connected (nor a seed) makes room
+                if not evict or self.known.evict(self.conns) is None:
+                    return False
+                evicted = True
             self.known[node] = PeerInfo(node, entry["addr"], entry["role"], list(entry["blocks"]),
                                         list(entry.get("serves", [])), now, learned=now)
         elif node not in self.conns:
@@ -175,6 +262,7 @@ class Membership:
             if info.unreachable and entry["addr"] != info.addr:  # (tried when its back-off is over, as before)
                 log.debug("peer %s: trying %s instead of %s, which failed", node[:8], entry["addr"], info.addr)
                 info.addr, info.unreachable = entry["addr"], False
+        return evicted
 
     async def _seed_loop(self) -> None:
         retry = 0.25  # while alone, retry the seeds soon (they may be starting too), backing off
@@ -182,6 +270,7 @@ class Membership:
             connected, now = {c.hello.addr for c in self.conns.values()}, time.monotonic()
             due = [a for a in self.cfg.peers if a not in connected and self._seeds_busy.get(a, (0, 0.0))[1] <= now]
             dialled = await asyncio.gather(*(self.dial(a) for a in due))
+            self.known.seed_nodes.update(c.label for c in dialled if c is not None)  # (never evicted)
             if any(dialled):  # just (re)joined: learn the membership now rather than at the next gossip
                 await self.gossip_once()
             retry = self.cfg.seed_interval if self.conns else min(2 * retry, self.cfg.seed_interval)

@@ -47,10 +47,11 @@ from ..wire.messages import (
 from ..wire.session import Lender, Session
 from ..wire.tensors import DTYPE_NAMES, as_view
 from .accounting import CLIENTS, Traffic
-from .connection import STALLED_TIMEOUTS, Connection, PeerGone, PeerRefused, TlsFailed, dial, handshake_failure, listen
+from .connection import STALLED_TIMEOUTS, Connection, PeerGone, PeerRefused, dial, handshake_failure, listen
 from .identity import Identity
-from .membership import Membership, PeerInfo, backoff
+from .membership import Membership, PeerInfo, PeerTable, backoff
 from .status import NodeStatus
+from .tls import TlsFailed
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Node(Membership, NodeStatus):
         self.secret = secret
         self.traffic = Traffic()
         self.conns: dict[str, Connection] = {}
-        self.known: dict[str, PeerInfo] = {}  # at most cfg.max_known
+        self.known = PeerTable(cfg.peers)  # at most cfg.max_known (beyond: eviction, membership.py)
         self.clients: set[Connection] = set()
         self.budget = Budget(cfg.recv_budget)  # incoming streams of all connections together
         self.frames = Budget(FRAMES_IN_FLIGHT)  # large frames being read into place, all connections together
