@@ -55,16 +55,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.nn.utils import parameters_to_vector
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from provenance import provenance  # noqa: E402
 from swarm import CONFIGS, run_swarm  # noqa: E402
 from wan import LinkSpec  # noqa: E402
 
-from spheroid import projection  # noqa: E402
+from spheroid import checkpoint, projection, sizing  # noqa: E402
 from spheroid.config import REFERENCE_PART, ModelConfig, RunConfig, TrainConfig  # noqa: E402
 from spheroid.data import fixed_windows, load_bytes, random_windows  # noqa: E402
+from spheroid.loading import block_from  # noqa: E402
 from spheroid.train import costed_step, evaluate_chain, evaluate_reference, make_optimizer, part_trainer  # noqa: E402
+from spheroid.wire.tensors import CODEC_OPTIONS, encode_tensor  # noqa: E402
 
 log = logging.getLogger("bench.peers")
 
@@ -246,11 +249,16 @@ def search_diloco(p: dict, n: int, steps: int, spec: LinkSpec, work: Path, data:
 # --- the results ---------------------------------------------------------------------------------
 
 
-def row_summary(run: dict, name: str) -> dict:
+def row_summary(run: dict, name: str, cfg: RunConfig) -> dict:
     """A row of the results: the keys the README and docs read."""
     workers = run["workers"].values()
     snaps = run["snapshots"]
+    trained = [sizing.parameters(cfg.model, "reference" if run["part"] == "reference" else w["block"])
+               for w in workers]
     return {"name": name, "transport": run["transport"], "workers": len(run["workers"]), "ce": run["ce"],
+            # the model a user ends with (the chain: every block; DiLoCo's replicas: one reference) and
+            # what the largest worker trains
+            "params": sum(trained) if run["part"] == "blocks" else trained[0], "params_max_worker": max(trained),
             "bytes_total": sum(w["sent"] for w in workers), "bytes_max_worker": max(w["sent"] for w in workers),
             "train_flops": sum(w["train_flops"] for w in workers),
             "train_flops_max_worker": max(w["train_flops"] for w in workers),
@@ -259,15 +267,45 @@ def row_summary(run: dict, name: str) -> dict:
             "wall_s": run["wall_s"], "steps_per_worker": {k: w["steps"] for k, w in run["workers"].items()},
             "memory_mb": {k: w["memory_mb"] for k, w in run["workers"].items()},
             "curve": [[s["bytes"], s["ce"]] for s in snaps], "flops_curve": [[s["flops"], s["ce"]] for s in snaps],
-            "wall_curve": [[s["wall_s"], s["ce"]] for s in snaps], "flags": run["flags"],
+            "wall_curve": [[s["wall_s"], s["ce"]] for s in snaps], "flags": without_data(run["flags"]),
             **({"setting": run["setting"]} if "setting" in run else {})}
 
 
-def check_projection(cfg: RunConfig, rows: dict[str, dict], setting: dict) -> list[dict]:
+def lz4_bits(run: dict, cfg: RunConfig, codec: str, steps: int, every: int) -> float:
+    """Bits per value a refresh takes on the wire, measured: block 0's real change over `steps` steps
+    (the change a reader fetches: between the first two snapshots whose block 0 lies steps / every
+    rounds apart), in `codec` with lz4 as nodes send it. (int2's zeros, most of a typical change,
+    compress: the raw codec's bits are a bound.)"""
+    entries = [checkpoint.load(s["folder"], checkpoint.block_name(0)) for s in run["snapshots"]]
+    gap = max(1, steps // every)
+    a, b = next((a, b) for a in entries for b in entries if b.state["round"] - a.state["round"] == gap)
+    first, second = (parameters_to_vector(block_from(e, cfg, torch.device("cpu"), 0).parameters()).detach()
+                     for e in (a, b))
+    change = second - first
+    return 8 * len(encode_tensor(change, CODEC_OPTIONS[codec].name, "lz4")) / change.numel()
+
+
+def without_data(flags: list[str]) -> list[str]:
+    """Flags as recorded: the data folder (a path of the machine it ran on) left out."""
+    out = list(flags)
+    if "--data" in out:
+        i = out.index("--data")
+        del out[i : i + 2]
+    return out
+
+
+def check_projection(cfg: RunConfig, runs: dict[str, dict], rows: dict[str, dict], setting: dict) -> list[dict]:
     """spheroid/projection.py at the bench's shape beside the measured figures: the largest worker's
     training memory (weights, gradients, AdamW moments, what autograd kept for backward, frozen
-    copies: what a node measures) and the busiest worker's bytes per optimizer step."""
+    copies: what a node measures) and the busiest worker's bytes per optimizer step. The model
+    counts the payload (updates, averages, refreshes); a node also sends pings, versions and peer
+    lists, at a rate per second, not per step: the last block's node, which sends no payload,
+    measures it, and the check sets the payload (sent less that rate times the run's wall time)
+    beside the model."""
     best = CONFIGS["best"]
+    blocks = runs["blocktrain"]
+    last = max(blocks["workers"].values(), key=lambda w: w["block"])
+    control = last["sent"] / blocks["wall_s"]  # bytes a second a node sends that carry no payload
 
     def flag(name: str) -> str:
         return best[best.index(name) + 1]
@@ -280,15 +318,23 @@ def check_projection(cfg: RunConfig, rows: dict[str, dict], setting: dict) -> li
             model = projection.at_bench_shape(cfg, "diloco", workers=row["workers"], every=setting["every"],
                                               codec=setting["codec"], outer="nesterov")
         else:
-            model = projection.at_bench_shape(cfg, "blocktrain", workers=1, every=int(flag("--every")),
-                                              codec=flag("--codec"), refresh_every=int(flag("--refresh-every")),
-                                              refresh_codec=flag("--refresh-codec"))
+            every, refresh_every, refresh_codec = int(flag("--every")), int(flag("--refresh-every")), \
+                flag("--refresh-codec")
+            model = projection.at_bench_shape(cfg, "blocktrain", workers=1, every=every, codec=flag("--codec"),
+                                              refresh_every=refresh_every, refresh_codec=refresh_codec,
+                                              refresh_bits=lz4_bits(runs[name], cfg, refresh_codec, refresh_every,
+                                                                    every))
         memory = max(sum(w["memory_mib"][k] for k in ("weights", "gradients", "optimizer", "frozen"))
                      + w["kept_for_backward_mib"] for w in model["workers"])
-        steps = max(row["steps_per_worker"].values())
+        steps = max(max(row["steps_per_worker"].values()), 1)
+        sent = row["bytes_max_worker"] / steps
+        payload = max(0.0, row["bytes_max_worker"] - control * row["wall_s"]) / steps if sent else 0.0
+        bytes_model = model["bytes_per_step"]["busiest_worker"]
         checks.append({"name": name, "memory_mb_model": memory, "memory_mb_measured": row["train_memory_mb_max_worker"],
-                       "bytes_per_step_model": model["bytes_per_step"]["busiest_worker"],
-                       "bytes_per_step_measured": row["bytes_max_worker"] / max(steps, 1)})
+                       "memory_ratio": memory / row["train_memory_mb_max_worker"],
+                       "bytes_per_step_model": bytes_model, "bytes_per_step_measured": sent,
+                       "control_bytes_per_s": control, "payload_per_step_measured": payload,
+                       "bytes_ratio": bytes_model / payload if payload else None})
     return checks
 
 
@@ -330,11 +376,16 @@ def print_tables(result: dict) -> None:
     for g in result["grid"]:
         print(f"  H {g['every']:>4}  outer lr {g['outer_lr']:<4}  {g['codec']:<5} CE {g['ce']:.4f}  "
               f"{g['bytes_total'] / 2**20:8.2f} MiB")
-    print("\nthe memory and traffic model (spheroid/projection.py) at this bench's shape, against the measurement:")
+    print("\nthe memory and traffic model (spheroid/projection.py) at this bench's shape, against the measurement "
+          "(payload: sent less the pings, versions and peer lists a node sends a second, "
+          f"{result['projection_check'][0]['control_bytes_per_s']:.0f} B/s):")
+    print(f"  {'row':<11} {'memory MiB':>10} {'measured':>9} {'ratio':>6} {'B/step':>8} {'payload':>8} {'ratio':>6} "
+          f"{'(all sent)':>10}")
     for ch in result["projection_check"]:
-        print(f"  {ch['name']:<11} training memory of the largest worker {ch['memory_mb_model']:8.2f} MiB model, "
-              f"{ch['memory_mb_measured']:8.2f} measured; bytes per step of the busiest "
-              f"{ch['bytes_per_step_model']:10.0f} model, {ch['bytes_per_step_measured']:10.0f} measured")
+        ratio = f"{ch['bytes_ratio']:.2f}" if ch["bytes_ratio"] else "-"
+        print(f"  {ch['name']:<11} {ch['memory_mb_model']:>10.2f} {ch['memory_mb_measured']:>9.2f} "
+              f"{ch['memory_ratio']:>6.2f} {ch['bytes_per_step_model']:>8.0f} {ch['payload_per_step_measured']:>8.0f} "
+              f"{ratio:>6} {ch['bytes_per_step_measured']:>10.0f}")
     print("\nlargest model whose largest worker trains on one 24 GiB GPU, by the model (one sequence a step, bf16):")
     for method, best in result["projection"]["largest_model"].items():
         print(f"  {method:<14} {best['shape']}")
@@ -373,7 +424,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs["diloco"], grid = search_diloco(p, n, budget["diloco_steps"], spec, work, args.data, windows, store)
     runs["e2e"] = store.get("e2e", lambda: run_e2e(p, budget["e2e_steps"], work, args.data), windows)
 
-    rows = {name: row_summary(run, name) for name, run in runs.items()}
+    rows = {name: row_summary(run, name, cfg) for name, run in runs.items()}
     flops = [r["train_flops"] for r in rows.values()]
     spread = max(flops) / min(flops) - 1
     setting = runs["diloco"]["setting"]
@@ -386,9 +437,9 @@ def main(argv: list[str] | None = None) -> dict:
                    "outer_momentum": OUTER_MOMENTUM, "diloco": setting, "eval_windows": p["windows"],
                    "threads_per_worker": 1},
         "rows": [rows[k] for k in ("e2e", "diloco", "blocktrain")],
-        "grid": [{**g["setting"], "ce": g["ce"], "bytes_total": row_summary(g, g["name"])["bytes_total"],
-                  "train_flops": row_summary(g, g["name"])["train_flops"], "wall_s": g["wall_s"]} for g in grid],
-        "projection_check": check_projection(cfg, rows, setting),
+        "grid": [{**g["setting"], "ce": g["ce"], "bytes_total": row_summary(g, g["name"], cfg)["bytes_total"],
+                  "train_flops": row_summary(g, g["name"], cfg)["train_flops"], "wall_s": g["wall_s"]} for g in grid],
+        "projection_check": check_projection(cfg, runs, rows, setting),
         "projection": projection.project(),
     }
     out.write_text(json.dumps(result, indent=2))

@@ -27,7 +27,9 @@ def provenance() -> dict:
     """The commit (and whether the tree differed from it), the command line, the date and the machine."""
     return {"commit": git("rev-parse", "HEAD") or None,
             "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "command": " ".join(["python", os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
+            # (paths in the checkout written relative to it: no machine's paths in a committed file)
+            "command": " ".join(["python", os.path.relpath(sys.argv[0], ROOT),
+                                 *(arg.replace(f"{ROOT}{os.sep}", "") for arg in sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                         "platform": platform.platform()}}

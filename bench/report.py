@@ -472,11 +472,15 @@ METHODS = {"e2e": "end-to-end, one worker", "diloco": "DiLoCo: replicas of the e
 
 
 def peers_table(d: dict) -> str:
-    rows = [[METHODS.get(r["name"], r["name"]), r["workers"], ce(r["ce"]), mib(r["bytes_max_worker"]),
-             mib(r["bytes_total"]), sci(r["train_flops"]), num(r["train_memory_mb_max_worker"], 1),
-             num(r["wall_s"], 0)] for r in d["rows"]]
-    return table(["method", "workers", "CE", "MiB sent, busiest worker", "MiB sent, all", "training FLOPs",
-                  "training MiB, largest worker", "wall s"], rows)
+    rows = [[METHODS.get(r["name"], r["name"]), r["workers"], ce(r["ce"]), params(r.get("params")),
+             mib(r["bytes_max_worker"]), mib(r["bytes_total"]), sci(r["train_flops"]),
+             num(r["train_memory_mb_max_worker"], 1), num(r["wall_s"], 0)] for r in d["rows"]]
+    return table(["method", "workers", "CE", "parameters", "MiB sent, busiest worker", "MiB sent, all",
+                  "training FLOPs", "training MiB, largest worker", "wall s"], rows)
+
+
+def params(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.2f}M"
 
 
 def peers_section(results: dict) -> list[str]:
@@ -505,12 +509,13 @@ def peers_section(results: dict) -> list[str]:
                 table(["H (--every)", "outer lr", "codec", "CE", "MiB sent, all"], rows), ""]
     if d.get("projection_check"):
         rows = [[METHODS.get(p["name"], p["name"]), num(p["memory_mb_model"], 1), num(p["memory_mb_measured"], 1),
-                 num(p["bytes_per_step_model"], 0), num(p["bytes_per_step_measured"], 0)]
-                for p in d["projection_check"]]
+                 num(p["bytes_per_step_model"], 0), num(p.get("payload_per_step_measured"), 0),
+                 num(p["bytes_per_step_measured"], 0)] for p in d["projection_check"]]
         out += ["spheroid/projection.py's model at this bench's shape against the measurement (largest worker's "
-                "training memory, busiest worker's bytes per step):", "",
+                "training memory; busiest worker's bytes per step: the payload the model counts, and all it sent, "
+                "pings, versions and peer lists included):", "",
                 table(["method", "memory MiB, model", "memory MiB, measured", "bytes/step, model",
-                       "bytes/step, measured"], rows), ""]
+                       "payload bytes/step, measured", "bytes/step sent, measured"], rows), ""]
     out += projection_lines(d.get("projection"))
     return out
 
