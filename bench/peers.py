@@ -271,14 +271,18 @@ def row_summary(run: dict, name: str, cfg: RunConfig) -> dict:
             **({"setting": run["setting"]} if "setting" in run else {})}
 
 
-def lz4_bits(run: dict, cfg: RunConfig, codec: str, steps: int, every: int) -> float:
+def lz4_bits(run: dict, cfg: RunConfig, codec: str, steps: int, every: int) -> float | None:
     """Bits per value a refresh takes on the wire, measured: block 0's real change over `steps` steps
     (the change a reader fetches: between the first two snapshots whose block 0 lies steps / every
-    rounds apart), in `codec` with lz4 as nodes send it. (int2's zeros, most of a typical change,
-    compress: the raw codec's bits are a bound.)"""
+    rounds apart), in `codec` with lz4 as nodes send it; None for a run too short to have two (the
+    model then takes the raw codec's bits). (int2's zeros, most of a typical change, compress: the
+    raw codec's bits are a bound.)"""
     entries = [checkpoint.load(s["folder"], checkpoint.block_name(0)) for s in run["snapshots"]]
     gap = max(1, steps // every)
-    a, b = next((a, b) for a in entries for b in entries if b.state["round"] - a.state["round"] == gap)
+    pairs = [(a, b) for a in entries for b in entries if b.state["round"] - a.state["round"] == gap]
+    if not pairs:
+        return None
+    a, b = pairs[0]
     first, second = (parameters_to_vector(block_from(e, cfg, torch.device("cpu"), 0).parameters()).detach()
                      for e in (a, b))
     change = second - first
