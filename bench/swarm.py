@@ -79,7 +79,7 @@ PRESETS: dict[str, dict] = {
 
 def swarm_bytes(members) -> int:
     """Bytes the nodes sent to each other (their own counters, client traffic left out)."""
-    return sum(m.status["swarm_traffic"]["sent"]["wire_bytes"] for m in members if m.status)
+    return sum(m.status.swarm_traffic.sent.wire_bytes for m in members if m.status is not None)
 
 
 def moved_bytes(nodes: dict) -> int:
@@ -132,7 +132,7 @@ def run_swarm(folder: Path, run_flags: list[str], parts: list[int], spec: LinkSp
         while not done:
             time.sleep(snapshot_s)
             members = local.poll()
-            done = all(m.status.get("training", {}).get("done") for m in members)
+            done = all(m.training is not None and m.training.done for m in members)
             out = folder / "snapshots" / f"{len(snapshots):03d}"
             try:
                 local.assemble(out)
@@ -140,14 +140,14 @@ def run_swarm(folder: Path, run_flags: list[str], parts: list[int], spec: LinkSp
                 log.info("%s: no snapshot yet at %.0fs (%s); the next in %.0fs", folder.name,
                          time.monotonic() - started, exc, snapshot_s)
                 continue
-            trained = [m.status["training"] for m in members if m.status.get("training")]
+            trained = [m.training for m in members if m.training is not None]
             snapshots.append({"wall_s": time.monotonic() - started, "bytes": swarm_bytes(members),
-                              "mean_step": sum(t["step"] for t in trained) / max(len(trained), 1),
-                              "flops": sum(t.get("train_flops", 0.0) for t in trained), "folder": str(out)})
+                              "mean_step": sum(t.step for t in trained) / max(len(trained), 1),
+                              "flops": sum(t.train_flops for t in trained), "folder": str(out)})
             for m in members:
                 log.info("%s %s", folder.name, status_line(m))
-        final = {m.name: {"training": m.status["training"], "swarm_traffic": m.status["swarm_traffic"],
-                          "traffic": m.status["traffic"]} for m in members}
+        final = {m.name: {"training": m.training.to_dict(), "swarm_traffic": m.status.swarm_traffic.to_dict(),
+                          "traffic": m.status.traffic.to_dict()} for m in members}  # (as the nodes sent them)
         codes = local.stop()
     return {"snapshots": snapshots, "nodes": final, "exit_codes": codes, "wall_s": time.monotonic() - started,
             "link_bytes": sum(sum(link.bytes.values()) for link in net.links),

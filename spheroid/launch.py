@@ -15,12 +15,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .averaging import Version
 from .config import REFERENCE_PART, NodeConfig, part_name
-from .node.client import assemble_swarm, fetch_status
+from .node.client import assemble_swarm, fetch_node_status
+from .status import NodeStatus, TrainingStatus
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,11 @@ class Member:
     addr: str  # where peers dial it (its --announce: a WAN-emulator link, or listen itself)
     log: Path
     proc: subprocess.Popen
-    status: dict = field(default_factory=dict)
+    status: NodeStatus | None = None  # its last status (None: none yet)
+
+    @property
+    def training(self) -> TrainingStatus | None:
+        return self.status.training if self.status is not None else None
 
 
 class LocalSwarm:
@@ -94,7 +99,7 @@ class LocalSwarm:
         """Refresh every live member's status (a member that does not answer keeps its last one)."""
         async def ask(member: Member) -> None:
             try:
-                member.status = await fetch_status(member.listen, self.client)
+                member.status = await fetch_node_status(member.listen, self.client)
             except Exception as exc:  # noqa: BLE001 - a node starting or gone
                 log.debug("%s did not answer: %r", member.name, exc)
 
@@ -120,7 +125,7 @@ class LocalSwarm:
                     if shown.get(m.name) != line:
                         show(line)
                         shown[m.name] = line
-            if all(m.status.get("training", {}).get("done") for m in members):
+            if all(m.training is not None and m.training.done for m in members):
                 return members
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the swarm did not finish training within {timeout:.0f}s; logs in {self.folder}")
@@ -147,16 +152,14 @@ class LocalSwarm:
 
 def status_line(member: Member) -> str:
     """step, loss, round, peers and bytes moved of one member, from its last status."""
-    s = member.status
-    t = s.get("training")
-    if not t:
+    s, t = member.status, member.training
+    if t is None:
         return f"{member.name:>8} | starting"
-    traffic = s["traffic"]
-    moved = (traffic["sent"]["wire_bytes"] + traffic["received"]["wire_bytes"]) / 2**20
-    if t["step"] == 0:
-        return (f"{member.name:>8} | {part_name(t['block'])} joined, waiting for its first step | "
-                f"peers {len(s['peers'])}")
-    return (f"{member.name:>8} | {part_name(t['block'])} step {t['step']:>5}/{t['steps']} "
-            f"ce {t.get('ce', float('nan')):.3f} (weighted loss {t['loss']:.2f}) | "
-            f"round {t['round']:>3} state {t['version']['hash'][:8]} | peers {len(s['peers'])} | "
-            f"moved {moved:.2f} MiB{' | done' if t['done'] else ''}")
+    moved = s.traffic.moved_bytes / 2**20
+    if t.step == 0:
+        return (f"{member.name:>8} | {part_name(t.block)} joined, waiting for its first step | "
+                f"peers {len(s.peers)}")
+    return (f"{member.name:>8} | {part_name(t.block)} step {t.step:>5}/{t.steps} "
+            f"ce {t.ce:.3f} (weighted loss {t.loss:.2f}) | "
+            f"round {t.round:>3} state {t.version.hash[:8]} | peers {len(s.peers)} | "
+            f"moved {moved:.2f} MiB{' | done' if t.done else ''}")

@@ -855,17 +855,27 @@ class Sim:
         r.note_version(sender.me, version, synced, joining)
         self.maybe_fetch(r)
 
+    def live(self) -> set[str]:
+        return {r.me for r in self.group if r.me not in self.dead}
+
+    def held(self, name: str, version: Version) -> SharedState | None:
+        """The state peer `name` sends when asked for `version`, if it holds it."""
+        peer = self.replica(name)
+        if peer.me in self.dead or peer.state.version != version:
+            return None
+        return SharedState(version, peer.state.params.clone(), peer.state.momentum)
+
     def maybe_fetch(self, r: Replica) -> None:
-        """What a node does with the versions it heard: fetch a preferred one from its holder."""
-        in_round = self.now < self.stop_at
-        for peer in self.group:
-            version = r.announced.get(peer.me, (None, None))[0]
-            if version and peer.me not in self.dead and peer.state.version == version and r.wants(version, in_round):
-                self.at(2 * self.latency, self.fetched, r, SharedState(version, peer.state.params.clone()))
+        """What a node does with the versions it heard: fetch the preferred one it trusts from a holder."""
+        version = r.choice(self.now < self.stop_at, self.live(), self.now)
+        for peer, (announced, _) in sorted(r.announced.items()):
+            if version is not None and announced == version and (state := self.held(peer, version)) is not None:
+                self.at(2 * self.latency, self.fetched, r, state)
                 return
 
     def fetched(self, r: Replica, state: SharedState) -> None:
-        if r.me in self.dead or not r.wants(state.version, in_round=self.now < self.stop_at):
+        if (r.me in self.dead or not r.wants(state.version, in_round=self.now < self.stop_at)
+                or r.vet(state, self.live(), self.now) is not None):
             return
         was_waiting = r.ready_at is not None
         self.local[r.me] = r.adopt(state, self.local[r.me])

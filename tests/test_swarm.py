@@ -11,6 +11,7 @@ import itertools
 import json
 import math
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ import time
 import pytest
 import torch
 
-from spheroid.averaging import SharedState
+from spheroid import checkpoint
+from spheroid.averaging import SharedState, state_hash
 from spheroid.node.client import with_holder_notes
 from spheroid.wire import encode, stream_frames
 from spheroid.wire.messages import StateReply
@@ -313,3 +315,31 @@ def test_reference_replicas_train_diloco_style_beside_a_block_and_a_joiner_gets_
     joiner = swarm("j", "reference", *flags, "--steps", "0", seed=d2)
     joined = wait_until(lambda: all_done_and_equal([d1, d2, joiner]), 60, "the joiner to sync")
     assert {t["version"]["hash"] for t in joined} == {s["version"]["hash"]}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_node_stopped_between_rounds_saves_its_steps_and_resumes_at_them(swarm, tmp_path, sig):
+    """A node stopped by SIGINT or SIGTERM mid-round lets its current step end, then checkpoints the
+    step and its own parameters beside the round's state, and exits 0: restarted, it resumes at that
+    very step with those parameters (it lost the steps since its last round before, as a node
+    stopped at step 63 resumed at 60), still in the round it was in."""
+    out = tmp_path / "a-ckpt"
+    node = swarm("a", 0, "--every", "100000", "--wait", "1", "--steps", "1000000")
+    wait_until(lambda: training(node)["step"] >= 5, 60, "a few steps")
+    node.kill(sig)
+    assert node.proc.returncode == 0
+    first = checkpoint.load(out, "worker-0")
+    step, local = first.state["step"], first.tensors["local"]
+    assert step >= 5 and first.state["version"]["round"] == 0 and first.state["since"] == 0
+    assert not torch.equal(local, first.tensors["params"])  # (its steps since the round's state, kept beside it)
+    assert f"stopped at step {step}: saved to" in node.log.read_text()
+    node.start()
+    wait_until(lambda: training(node)["step"] > step, 60, "the restarted node to train on")
+    resumed = re.findall(r"resumed from .*: round 0, step (\d+), loss (\S+), state \w+, its own parameters (\w+) "
+                         r"\((\d+) steps since", node.log.read_text())
+    assert len(resumed) == 1 and resumed[0] == (str(step), f"{first.state['loss']:.4f}", state_hash(local)[:12],
+                                                str(step)), resumed
+    node.kill(sig)  # and again: its round still started at step 0
+    assert node.proc.returncode == 0
+    second = checkpoint.load(out, "worker-0")
+    assert second.state["step"] > step and second.state["since"] == 0 and second.state["version"]["round"] == 0

@@ -69,7 +69,12 @@ round: 71% at 8 replicas, where checking one whole cell gave 1 / (n - 1), 14%).
 When replicas diverge anyway (a late range, a restart), they announce their `Version` and one rule
 settles which state the swarm keeps: a later round wins, then the state that averaged more samples,
 then the smaller hash. A replica that sees a preferred version fetches that state and rebases its
-local progress onto it.
+local progress onto it, if it can trust it (`trust`): the version is confirmed (two peers announce
+it, or every peer of the block there does), or it is a state of the round that made its own, which
+it checks against that round (its values wherever it received a cell, its samples against what its
+missed cells could add), or, for a replica in no group (done training), a later round that a peer
+of its last round can have reached by then. So no one member takes the swarm over by announcing a
+later round or more samples.
 
 Nothing here does I/O or reads a clock: times are passed in and the wire codec is a function, so
 the same code runs inside a node and inside a deterministic simulation (tests/test_averaging.py).
@@ -83,6 +88,7 @@ One mechanism a module:
     rule        whose parts count and how much: outliers by norm, claimed samples capped, the average
     outer       the outer step: plain averaging or Nesterov momentum
     membership  who the next group is, which state the swarm keeps, adopting it
+    trust       which preferred states a replica may take: confirmed, or checked against its own round
     replica     one replica's side of the rounds (the state machine), and what a round closes with
 """
 
@@ -95,9 +101,10 @@ from .parts import Contributors, Outgoing, Part, Reduced, group_digest
 from .replica import Closed, Counters, Replica
 from .rule import norm
 from .state import CHECKED_LEAVES, DIGEST, LEAF, SharedState, Version, leaf_digests, leaf_range, state_hash, tree_hash
+from .trust import UNCONFIRMED, Made, confirmed
 
 __all__ = [
     "CHECKED_LEAVES", "DIGEST", "LEAF", "OUTER_STEPS", "AveragingConfig", "Closed", "Contributors",
-    "Counters", "Layout", "Outgoing", "Part", "Reduced", "Replica", "SharedState", "Version", "group_digest",
-    "leaf_digests", "leaf_range", "norm", "split", "state_hash", "tree_hash",
+    "Counters", "Layout", "Made", "Outgoing", "Part", "Reduced", "Replica", "SharedState", "UNCONFIRMED", "Version",
+    "confirmed", "group_digest", "leaf_digests", "leaf_range", "norm", "split", "state_hash", "tree_hash",
 ]

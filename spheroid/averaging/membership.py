@@ -1,19 +1,24 @@
 """Who a replica's next group is, and which state the swarm keeps: the versions peers announce,
-which of them are in step (members of the next group) or joining, and the one rule that settles
-diverged states (`Version.preferred_over`), with adopting a preferred state. A part of `Replica`
-(its base class), apart from the rounds themselves."""
+which of them are in step (members of the next group) or joining, the one rule that settles
+diverged states (`Version.preferred_over`), which preferred states it may take (`trust`: confirmed,
+or checked against the round that made its own), and adopting one. A part of `Replica` (its base
+class), apart from the rounds themselves."""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Collection
 
 import torch
 
 from .layout import Layout
 from .state import SharedState, Version
+from .trust import UNCONFIRMED, confirmed
 
 
 class Membership:
     """`Replica`'s versions and group: the methods here read and set its `announced`, `joiners`,
-    `expected` and `synced`, and `adopt` restarts its round on a fetched state."""
+    `expected`, `synced`, `made` and `refused`, and `adopt` restarts its round on a fetched state."""
 
     def note_version(self, peer: str, version: Version, synced: bool, joining: bool = False) -> None:
         """A peer announced its version; `synced` when it got there by closing a round whose every range
@@ -82,6 +87,67 @@ class Membership:
             return False
         return version.preferred_over(self.state.version)
 
+    def trusts(self, version: Version, live: Collection[str] | None = None, now: float | None = None) -> bool:
+        """Whether a preferred version may be fetched: confirmed by the peers' announcements (`live`,
+        if given: the peers of the block there, `trust.confirmed`); or, in no group, a later round
+        one peer of its last round can have reached by `now` (`_ahead`); or a state of the round that
+        made this replica's with no more samples than that round could count (its values are checked
+        once fetched: `vet`). Not a version whose fetched state this replica refused since its state
+        last changed round."""
+        if version in self.refused:
+            return False
+        made = self.made
+        return (self._confirmed(version, live) or self._ahead(version, live, now)
+                or (made is not None and made.plausible(version)))
+
+    def takes(self, version: Version, live: Collection[str] | None = None, now: float | None = None) -> bool:
+        """Whether a fetched state of this version is one to adopt now: wanted and trusted."""
+        return self.wants(version) and self.trusts(version, live, now)
+
+    def _ahead(self, version: Version, live: Collection[str] | None, now: float | None) -> bool:
+        """A later round, for a replica in no group (done training, or out of its last round): held by
+        a peer that contributed to its last round with others, and one it can have reached (`Pace`)."""
+        holders = {p for p, (v, _) in self.announced.items() if v == version and (live is None or p in live)}
+        return (not self.synced and not holders.isdisjoint(self.pace.peers)
+                and self.pace.allows(version, self.state.version, now, self.cfg.max_samples_ratio))
+
+    def _confirmed(self, version: Version, live: Collection[str] | None) -> bool:
+        peers = None if live is None else [p for p in live if p != self.me]
+        return confirmed(version, {peer: v for peer, (v, _) in self.announced.items()}, peers)
+
+    def choice(self, in_round: bool = False, live: Collection[str] | None = None,
+               now: float | None = None) -> Version | None:
+        """The version to fetch: the preferred one of those announced (by `live` peers) that this
+        replica wants and trusts; None if none."""
+        best = None
+        for peer, (version, _) in self.announced.items():
+            if ((live is None or peer in live) and (best is None or version.preferred_over(best))
+                    and self.wants(version, in_round) and self.trusts(version, live, now)):
+                best = version
+        return best
+
+    def vet(self, state: SharedState, live: Collection[str] | None = None, now: float | None = None) -> str | None:
+        """Why a fetched state may not replace this replica's; None if it may. UNCONFIRMED: not yet
+        (its version is not confirmed, and not one of the round that made this replica's state: its
+        holders may confirm it later). A state of that round that is not what the round could have
+        made is refused, and its version is not fetched again while this replica's state stays."""
+        if not self.wants(state.version):
+            return "not preferred"
+        if state.version in self.refused:
+            return "refused already"
+        if self._confirmed(state.version, live) or self._ahead(state.version, live, now):
+            return None
+        if self.made is None or not self.made.plausible(state.version):
+            return UNCONFIRMED
+        reason = self.made.inconsistency(state, self.cfg.max_norm_ratio)
+        if reason is not None:
+            if len(self.refused) >= 64:  # (a bound: each one cost its sender a state transfer)
+                self.refused.clear()
+            self.refused.add(state.version)
+            self.quiet.log(logging.WARNING, "untrusted", "state %s of round %d (%d samples) refused: %s",
+                           state.version.hash[:12], state.version.round, state.version.samples, reason)
+        return reason
+
     def adopt(self, state: SharedState, local: torch.Tensor) -> torch.Tensor:
         """Take a fetched state; returns `local` rebased onto it.
 
@@ -91,12 +157,16 @@ class Membership:
         new state's base, which count again. Its next group is the one the holder named (else the
         peers it heard are in step on that state): the replica lays out the same rows as they do, and
         is a member only if that group counts it (its parts made the round, and it only missed
-        cells that the holder got); otherwise not until it has contributed.
+        cells that the holder got); otherwise not until it has contributed. A state of the round
+        that made its own keeps what it knows of that round (`made`): one with more of its cells
+        may still follow.
         """
         progress = local - self.state.params
         if self.own is not None:
             progress -= self.own
         rebased = state.params + progress
+        if self.made is None or state.version.round != self.made.round:  # (of another round: nothing to check it by)
+            self.made, self.refused = None, set()
         self.state = state
         self.counters.adopted += 1
         self.owed = self.owed_rows = None  # (errors of ranges averaged on the old state)

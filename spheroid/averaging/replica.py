@@ -23,6 +23,7 @@ from .outer import outer_step
 from .parts import Contributors, Outgoing, Part, Reduced, group_digest
 from .rule import norm
 from .state import DIGEST, SharedState, Version, assembled_digests, checked_sample, leaf_digests, leaf_range, tree_hash
+from .trust import Made, Pace
 
 log = logging.getLogger(__package__)  # (the package's: spheroid.averaging)
 
@@ -82,6 +83,9 @@ class Replica(Membership):
         self.joiners: dict[str, Version] = {}  # peers not in step that said they will send parts from a version
         self.owed: torch.Tensor | None = None  # (P,) error feedback: what the codec lost of ranges averaged here
         self.owed_rows: torch.Tensor | None = None  # (P,) ... and of the row averages sent from here (two levels)
+        self.made: Made | None = None  # what it knows of the round that made its state, if it closed it (`trust`)
+        self.refused: set[Version] = set()  # versions whose fetched state it refused since its state changed
+        self.pace = Pace()  # how fast its rounds go, and who was in its last round with others (`trust`)
         self._start_round()
 
     def _start_round(self) -> None:
@@ -150,6 +154,7 @@ class Replica(Membership):
         self.parts = {c: {} for c in self.mine}
         self.partials = {self.layout.cells[c][self.row]: {} for c in self.mine} if self.layout.two_level else {}
         self.own, self.own_samples, self.ready_at, self.start = delta, samples, now, now
+        self.pace.submitted(self.round, now)
         self.next_params = torch.empty_like(self.state.params)
         self.next_momentum = None if self.cfg.outer == "average" else torch.empty_like(self.state.params)
         out = []
@@ -541,7 +546,14 @@ class Replica(Membership):
         # samples added: those behind each cell, weighted by its size (a missing cell adds none)
         version = Version(self.round + 1, self.state.version.samples + weighted // self.n_params,
                           tree_hash(self.n_params, momentum is not None, self._state_leaves(params, momentum)))
-        self.state = SharedState(version, params, momentum)
+        base, self.state, self.refused = self.state, SharedState(version, params, momentum), set()
+        # a cell counts no part for more than it claims: at most the contributors times the largest claim
+        claims = [self.own_samples, *(p.samples for parts in self.parts.values() for p in parts.values())]
+        cap = max([len(set(self.group) | self.senders | set().union(*names_of.values())) * max(claims)]
+                  + [got.samples for got in self.reduced.values()])
+        cells = [cell for _, _, cell in self.layout.all_cells()]
+        self.made = Made.of(base, self.state, cells, not_in, cap) if len(not_in) < len(cells) else None
+        self.pace.closed_round(version.round, self.ready_at, set(used) - {self.me}, weighted // self.n_params)
         self.counters.rounds += 1
         self.synced = self.me in used  # a member of the next group only if its parts made half the values
         self.expected = (set(used) | self._in_step()) - {self.me}

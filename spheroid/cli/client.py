@@ -17,8 +17,9 @@ from ..config import NodeConfig
 from ..decoding import DEFAULT_DRAFT, generate_reference
 from ..decoding import generate as run_chain
 from ..loading import load_chain, load_reference
-from ..node.client import assemble_swarm, fetch_status, remote_generate, score_text
+from ..node.client import assemble_swarm, fetch_node_status, remote_generate, score_text
 from ..progress import Progress
+from ..status import NodeStatus
 from ..train import pick_device
 from .base import (
     POSITIVE,
@@ -154,10 +155,10 @@ def score(file, peer, chunk, route, seed, swarm, secret_file, timeout, tls_cert,
 
     async def ask() -> dict:
         secret = read_secret(secret_file)
-        status = await fetch_status(peer, cfg, secret)
-        context = status.get("serving", {}).get("context")
-        if context is None:
+        status = await fetch_node_status(peer, cfg, secret)
+        if status.serving is None:
             raise Failure(f"{peer} serves no blocks: send score to a node started with --serve A-B --checkpoint DIR")
+        context = status.serving.context
         if len(text) < context + 1:
             raise Failure(f"{file} has {len(text)} bytes; scoring needs at least a window of {context + 1} "
                           f"(the model's context + 1)")
@@ -176,14 +177,14 @@ def score(file, peer, chunk, route, seed, swarm, secret_file, timeout, tls_cert,
 
 
 async def resolve_route(peer: str, cfg: NodeConfig, route: str, secret: bytes | None,
-                        status: dict | None = None) -> list:
+                        status: NodeStatus | None = None) -> list:
     """[] for auto; else the named nodes (ids or unique prefixes) as route entries, from peer's status
     (`status`, if the caller has it already)."""
     if route == "auto":
         return []
-    status = status or await fetch_status(peer, cfg, secret)
-    members = [(status["node"], status["addr"], status.get("serves", []))]
-    members += [(p["node"], p["addr"], p.get("serves", [])) for p in status["peers"]]
+    status = status or await fetch_node_status(peer, cfg, secret)
+    members = [(status.node, status.addr, status.serves)]
+    members += [(p.node, p.addr, p.serves) for p in status.peers]
     hops = []
     for name in route.split(","):
         matches = [m for m in members if m[0].startswith(name.strip())]
@@ -216,5 +217,5 @@ def status(peer, swarm, secret_file, timeout, tls_cert, tls_key, tls_ca) -> None
     """Print a node's status (identity, peers, traffic counters) as JSON."""
     cfg = client_config(swarm, timeout or 10.0, tls_cert, tls_key, tls_ca)
     secret = read_secret(secret_file)
-    result = run_client(lambda: fetch_status(peer, cfg, secret), f"cannot get the status of {peer}")
-    click.echo(json.dumps(result, indent=2))
+    result = run_client(lambda: fetch_node_status(peer, cfg, secret), f"cannot get the status of {peer}")
+    click.echo(json.dumps(result.to_dict(), indent=2))

@@ -218,7 +218,7 @@ def swarm(out, replicas, reference, base_port, timeout, data_dir, node_flags) ->
         show_assembled(found)
         codes = local.stop()
     metrics = {"replicas": replicas, "reference": reference, "node_flags": list(node_flags),
-               "nodes": {m.name: {"training": m.status["training"], "traffic": m.status["traffic"],
+               "nodes": {m.name: {"training": m.training.to_dict(), "traffic": m.status.traffic.to_dict(),
                                   "exit_code": codes[m.name]} for m in members},
                "assembled": [{"block": b, "holder": h, **v.to_wire()} for b, h, v in found]}
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))

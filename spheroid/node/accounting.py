@@ -1,10 +1,16 @@
-"""Traffic accounting: frames and bytes per peer and per message type, raw and on-wire."""
+"""Traffic accounting: frames and bytes per peer and per message type, raw and on-wire.
+
+`summary` and `summary_by_type` are the typed totals a node's status carries (spheroid/status.py);
+`totals` and `by_type` the same as plain maps, for benches and tests.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+
+from ..status import TrafficByType, TrafficCounter, TrafficTotals
 
 CLIENTS = "clients"  # the one accounting label of all client connections (status, assemble, ...)
 
@@ -19,6 +25,9 @@ class Counter:
         self.frames += other.frames
         self.wire_bytes += other.wire_bytes
         self.raw_bytes += other.raw_bytes
+
+    def frozen(self) -> TrafficCounter:
+        return TrafficCounter(self.frames, self.wire_bytes, self.raw_bytes)
 
 
 Key = tuple[str, str, str]  # (direction, peer, message type)
@@ -41,18 +50,28 @@ class Traffic:
         for key in [k for k in self._counts if k[1] == old]:
             self._counts[(key[0], new, key[2])].add(self._counts.pop(key))
 
-    def _sum(self, peer: str | None, group: Callable[[Key], str], exclude: set[str] = frozenset()) -> dict:
+    def _sum(self, peer: str | None, group: Callable[[Key], str], exclude: set[str] = frozenset()
+             ) -> dict[str, dict[str, Counter]]:
         out: dict[str, dict[str, Counter]] = {"sent": defaultdict(Counter), "received": defaultdict(Counter)}
         for key, c in self._counts.items():
             if (peer is None or key[1] == peer) and key[1] not in exclude:
                 out[key[0]][group(key)].add(c)
-        return {d: {k: asdict(v) for k, v in groups.items()} for d, groups in out.items()}
+        return out
+
+    def summary(self, peer: str | None = None, exclude: set[str] = frozenset()) -> TrafficTotals:
+        """Sent and received, over all peers (but `exclude`) or for one."""
+        summed = self._sum(peer, lambda key: "all", exclude)
+        return TrafficTotals(*(summed[d].get("all", Counter()).frozen() for d in ("sent", "received")))
+
+    def summary_by_type(self, peer: str | None = None) -> TrafficByType:
+        """Sent and received by message type, over all peers or for one."""
+        summed = self._sum(peer, lambda key: key[2])
+        return TrafficByType(*({k: c.frozen() for k, c in summed[d].items()} for d in ("sent", "received")))
 
     def totals(self, peer: str | None = None, exclude: set[str] = frozenset()) -> dict:
         """{"sent": counter, "received": counter}, over all peers (but `exclude`) or for one."""
-        summed = self._sum(peer, lambda key: "all", exclude)
-        return {d: groups.get("all", asdict(Counter())) for d, groups in summed.items()}
+        return self.summary(peer, exclude).to_dict()
 
     def by_type(self, peer: str | None = None) -> dict:
         """{direction: {message type: counter}}, over all peers or for one."""
-        return self._sum(peer, lambda key: key[2])
+        return self.summary_by_type(peer).to_dict()

@@ -21,6 +21,7 @@ from .. import checkpoint
 from ..averaging import SharedState, Version
 from ..config import REFERENCE_PART, NodeConfig, RunConfig, parse_addr
 from ..model import part_module
+from ..status import NodeStatus
 from ..wire import ProtocolError
 from ..wire.messages import (
     Error,
@@ -110,12 +111,25 @@ async def _connect_once(addr: str, cfg: NodeConfig, secret: bytes | None, handle
 
 
 async def fetch_status(addr: str, cfg: NodeConfig, secret: bytes | None = None) -> dict:
-    """The status of the node at addr, as the node reports it."""
+    """The status of the node at addr, as the node reports it: the map (`fetch_node_status` reads it)."""
     conn = await connect(addr, cfg, secret)
     try:
         return (await conn.request(Status())).status
     finally:
         await conn.close()
+
+
+def read_status(addr: str, status: dict) -> NodeStatus:
+    """The status map the node at addr sent, checked: ValueError that names the node and the field."""
+    try:
+        return NodeStatus.from_dict(status)
+    except ValueError as exc:
+        raise ValueError(f"{addr} sent a malformed status: {exc}") from exc
+
+
+async def fetch_node_status(addr: str, cfg: NodeConfig, secret: bytes | None = None) -> NodeStatus:
+    """The status of the node at addr, checked (ValueError if it is malformed)."""
+    return read_status(addr, await fetch_status(addr, cfg, secret))
 
 
 async def assemble_swarm(addr: str, cfg: NodeConfig, out: Path, secret: bytes | None = None
@@ -133,16 +147,16 @@ async def assemble_swarm(addr: str, cfg: NodeConfig, out: Path, secret: bytes | 
     reads: dict[int, dict] = {}  # per block, the versions of the earlier blocks its holder read
     n_blocks = None
     for member_addr, status in members.items():
-        training = status.get("training")
-        if not training:
+        training = status.training
+        if training is None:
             continue
-        part = training["block"]
+        part = training.block
         if part != REFERENCE_PART:
-            n_blocks = training["n_blocks"]
-        version = Version(**training["version"])
+            n_blocks = training.n_blocks
+        version = training.version
         if part not in best or version.preferred_over(best[part][0]):
             best[part] = (version, member_addr)
-            reads[part] = training.get("earlier", {}).get("reads", {})
+            reads[part] = {name: dict(read) for name, read in training.earlier.reads.items()}
     if not best:
         raise PeerGone(f"no node reachable through {addr} trains a block or the reference")
     missing = [b for b in range(n_blocks or 0) if b not in best]
@@ -231,23 +245,30 @@ async def request_state(conn: Connection, block: int, n_params: int | None = Non
     return run_cfg, StateDelta(version, since, delta)
 
 
-async def crawl(addr: str, cfg: NodeConfig, secret: bytes | None = None, limit: int = 256) -> dict[str, dict]:
+async def crawl(addr: str, cfg: NodeConfig, secret: bytes | None = None, limit: int = 256) -> dict[str, NodeStatus]:
     """The status of every member reachable from addr (breadth first over their peer lists), by address.
 
-    addr must answer; members that do not are skipped with a warning.
+    addr must answer, with a well-formed status; members that do not are skipped with a warning.
     """
-    members: dict[str, dict] = {}
+    members: dict[str, NodeStatus] = {}
     queue, seen = [addr], {addr}
     while queue and len(members) < limit:
         here = queue.pop(0)
         try:
             conn = await connect(here, cfg, secret)
             try:
-                members[here] = (await conn.request(Status())).status
+                status = (await conn.request(Status())).status
                 peers = (await conn.request(Peers())).peers
             finally:
                 await conn.close()
         except (OSError, TimeoutError, PeerGone) as exc:
+            if here == addr:
+                raise
+            log.warning("skipping %s: %s", here, exc)
+            continue
+        try:
+            members[here] = read_status(here, status)
+        except ValueError as exc:
             if here == addr:
                 raise
             log.warning("skipping %s: %s", here, exc)

@@ -32,6 +32,7 @@ import torch
 
 from ..config import NodeConfig, parse_addr
 from ..progress import QuietLog
+from ..status import ServingStatus, TrainingStatus
 from ..wire import ProtocolError, encode
 from ..wire.codec import Budget
 from ..wire.messages import (
@@ -50,7 +51,7 @@ from .accounting import CLIENTS, Traffic
 from .connection import STALLED_TIMEOUTS, Connection, PeerGone, PeerRefused, dial, handshake_failure, listen
 from .identity import Identity
 from .membership import Membership, PeerInfo, PeerTable, backoff
-from .status import NodeStatus
+from .status import Reporting
 from .tls import TlsFailed
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def ssl_contexts(cfg: NodeConfig) -> tuple[ssl.SSLContext | None, ssl.SSLContext
     return server, client
 
 
-class Node(Membership, NodeStatus):
+class Node(Membership, Reporting):
     def __init__(self, cfg: NodeConfig, identity: Identity, secret: bytes | None = None) -> None:
         self.cfg = cfg
         self.id = identity.node_id
@@ -148,7 +149,8 @@ class Node(Membership, NodeStatus):
         # bytes) -> a tensor of this node's own to read the inline tensor straight into, or None
         self.lenders: dict[str, Callable[[str, dict, str, int], torch.Tensor | None]] = {}
         self.peer_hooks: list[Callable[[Connection], Awaitable[None]]] = []  # run when a peer registers
-        self.status_parts: dict[str, Callable[[], dict]] = {}  # extra sections of status()
+        # the parts of its status that what it does adds, by name ("serving", "training": NodeStatus's fields)
+        self.status_parts: dict[str, Callable[[], ServingStatus | TrainingStatus]] = {}
         self.line_parts: list[Callable[[], str]] = []  # extra fields of the status line
         self.serving_model = ""  # id of the model whose blocks it serves (set by a serving component)
 

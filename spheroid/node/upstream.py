@@ -26,8 +26,9 @@ import time
 import torch
 from torch.nn.utils import parameters_to_vector
 
-from ..averaging import SharedState, Version, state_hash
+from ..averaging import SharedState, Version, confirmed, state_hash
 from ..config import RunConfig, part_name
+from ..status import UpstreamStatus
 from ..train import EarlierBlocks
 from ..wire import ProtocolError, through_codec
 from ..wire.tensors import TENSOR_CODECS
@@ -46,6 +47,11 @@ FETCH_RETRY_S = 1.0  # a reader whose fetch of an earlier block failed (its hold
 def pick_donor(me: str, holders: list[str]) -> str:
     """Rendezvous hashing: each joiner ranks the holders of a state its own way, so joiners spread."""
     return max(holders, key=lambda h: hashlib.sha256((me + h).encode()).digest())
+
+
+def peers_of(node: Node, block: int) -> set[str]:
+    """The connected peers that hold `block`: whose announcements confirm its versions (`trust.confirmed`)."""
+    return {conn.label for conn in node.peers_holding(block)}
 
 
 def same_run(a: RunConfig, b: RunConfig) -> bool:
@@ -130,15 +136,17 @@ class Upstream:
 
     Holders of blocks 0..b-1 announce their versions to block b's nodes as to their own replicas.
     `refresh`, called when a version of an earlier block is announced and after each of this
-    node's rounds, fetches in the background each earlier block whose preferred announced version
-    is preferred over the one held (a copy never goes back: a state sent behind it is refused), if
-    it was not fetched in the last three quarters of `every` steps (so about once per `every`
-    steps, whatever the jitter of the announcements; a fetch that failed, its holders busy, is
-    tried again FETCH_RETRY_S later); `apply` swaps the fetched ones in between training steps (the
-    training thread reads the copies), so a copy is as fresh as the transfer allows, not a round
-    late. With a `codec` other than fp32 it asks for the change from the copy it holds, named by
-    its parameters' hash (see the module's docstring), and waits up to DONOR_WAIT_S for the holder
-    that made that copy if the version came from another first: any other would send a snapshot.
+    node's rounds, fetches in the background each earlier block whose preferred confirmed version
+    (announced by two holders, or by every holder heard: `trust.confirmed`, so that no one holder
+    moves a copy) is preferred over the one held (a copy never goes back: a state sent behind it,
+    or of a version not confirmed, is refused), if it was not fetched in the last three quarters of
+    `every` steps (so about once per `every` steps, whatever the jitter of the announcements; a
+    fetch that failed, its holders busy, is tried again FETCH_RETRY_S later); `apply` swaps the
+    fetched ones in between training steps (the training thread reads the copies), so a copy is as
+    fresh as the transfer allows, not a round late. With a `codec` other than fp32 it asks for the
+    change from the copy it holds, named by its parameters' hash (see the module's docstring), and
+    waits up to DONOR_WAIT_S for the holder that made that copy if the version came from another
+    first: any other would send a snapshot.
     """
 
     def __init__(self, node: Node, block: int, earlier: EarlierBlocks | None, every: int, codec: str = "fp32") -> None:
@@ -191,8 +199,8 @@ class Upstream:
                 continue
             live = {p: v for p, v in peers.items() if p in self.node.conns}
             best = None
-            for version in live.values():
-                if best is None or version.preferred_over(best):
+            for version in live.values():  # (confirmed: no one holder moves this copy, `trust.confirmed`)
+                if (best is None or version.preferred_over(best)) and confirmed(version, live, peers_of(self.node, b)):
                     best = version
             fetched, held = self.pending.get(b), self.held.get(b)
             if (best is None or not best.samples  # (0 samples: genesis)
@@ -238,10 +246,13 @@ class Upstream:
                 # (the holder that made this copy first: another would not know it and send a snapshot)
                 got = await fetch_from(self.node, left, b, n_params, self.earlier.cfg, since,
                                        self.codec if since else None, prefer=self.donors.get(b))
-                if got is None or held is None or got[1].version.preferred_over(held):
+                version = got[1].version if got is not None else None  # (a holder sends the state it holds now)
+                if got is None or (confirmed(version, self.announced[b], peers_of(self.node, b))
+                                   and (held is None or version.preferred_over(held))):
                     break
-                log.warning("block %d's state from %s refused: round %d, not later than the copy held (round %d); "
-                            "its announcement is forgotten", b, got[0][:8], got[1].version.round, held.round)
+                log.warning("block %d's state from %s refused: round %d, not confirmed or not later than the copy "
+                            "held (round %s); its announcement is forgotten", b, got[0][:8], version.round,
+                            None if held is None else held.round)
                 self.announced[b].pop(got[0], None)  # (not asked again until it announces again)
                 left.remove(got[0])
                 got = None
@@ -278,6 +289,7 @@ class Upstream:
             log.info("block %d now reads block %d at round %d (state %s%s)", self.block, b, got.version.round,
                      got.version.hash[:12], "" if exact else f", close: a change in {self.codec}")
 
-    def status(self) -> dict:
-        return {"reads": self.earlier.versions if self.earlier else {}, "fetches": self.fetches,
-                "changes": self.changes, "snapshots": self.snapshots, "bytes": self.bytes}
+    def status(self) -> UpstreamStatus:
+        reads = {name: dict(version) for name, version in self.earlier.versions.items()} if self.earlier else {}
+        return UpstreamStatus(reads=reads, fetches=self.fetches, changes=self.changes, snapshots=self.snapshots,
+                              bytes=self.bytes)

@@ -6,7 +6,9 @@ closes rounds at their deadline, announces the resulting `Version`, fetches a pr
 the peer that announced it (a joiner, a restarted or a diverged replica), serves its own state to
 others, and checkpoints after every round (OUT/worker-B.json and the weights file it names and
 verifies: parameters, the outer momentum, the AdamW state; the version and the step in the
-record). Optimizer state never leaves the node.
+record) and when the node stops (SIGINT, SIGTERM: after the step under way, with the local
+parameters trained since the round, so that a restart resumes at that step). Optimizer state never
+leaves the node.
 
 A block that reads the blocks before it keeps its copies of them fresh from their holders
 (upstream.py: `Upstream`), and as a holder it keeps the copies it made for its readers
@@ -30,11 +32,12 @@ from safetensors import SafetensorError, safe_open
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from .. import checkpoint
-from ..averaging import AveragingConfig, Closed, Replica, SharedState, Version, state_hash
+from ..averaging import UNCONFIRMED, AveragingConfig, Closed, Replica, SharedState, Version, state_hash
 from ..checkpoint import CheckpointError
 from ..config import REFERENCE_PART, RunConfig, part_name
 from ..data import random_windows
 from ..resume import load_optimizer_tensors, optimizer_tensors
+from ..status import RoundCounters, RoundRecord, TrainingMemory, TrainingStatus
 from ..train import (
     costed_step,
     learning_rate,
@@ -50,7 +53,7 @@ from ..wire.tensors import CODEC_OPTIONS
 from .averager import Averager
 from .connection import Connection, PeerGone
 from .node import Node
-from .upstream import ReadersCopies, Upstream, fetch_from, same_run
+from .upstream import ReadersCopies, Upstream, fetch_from, peers_of, same_run
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +111,9 @@ class BlockWorker:
         self.not_averaging.set()
         self.joiners_waiting = 0
         self.stopping = False  # (set when the node stops: the training thread ends after its current step)
+        self.training: asyncio.Future | None = None  # the training thread's chunk of steps under way
+        self.round_start: int | None = None  # the step the round being trained (or averaged) started at
+        self.saved_step: int | None = None  # the step of the last checkpoint
         # with a state adopted from a holder mid-round: the share of that round's steps it had left
         self.left: float | None = None
         self.n_params = sum(p.numel() for p in self.module.parameters())
@@ -160,15 +166,22 @@ class BlockWorker:
 
     def save(self) -> None:
         """Checkpoint the shared state, the AdamW state and the step, atomically, as any checkpoint
-        (spheroid/checkpoint.py: a JSON record with the configuration, and the tensors it verifies)."""
-        state = self.replica.state
+        (spheroid/checkpoint.py: a JSON record with the configuration, and the tensors it verifies).
+        Parameters of its own beside the state's (the steps trained since the round, as when the node
+        stops, or progress a round did not average) go as "local", and the step its round started at
+        as "since": `_resume` restores them (and a node without them, the state as it is)."""
+        state, local = self.replica.state, self.params()
         tensors = {"params": state.params.contiguous()}
         if state.momentum is not None:
             tensors["momentum"] = state.momentum.contiguous()
         tensors.update(optimizer_tensors(self.opt))
         record = {"version": state.version.to_wire(), "step": self.step, "block": self.block, "loss": self.loss,
-                  "reads": self.upstream.status()["reads"]}
+                  "reads": self.upstream.status().reads}
+        if not torch.equal(local, state.params):
+            tensors["local"] = local
+            record["since"] = self.step if self.round_start is None else self.round_start
         checkpoint.save_tensors(self.out, self.name, tensors, self.cfg, record)  # (and the legacy file goes)
+        self.saved_step = self.step
 
     def _saved(self) -> tuple[RunConfig, dict, dict[str, torch.Tensor], bool]:
         """The saved configuration, record and tensors, and whether the file was verified: from the
@@ -194,6 +207,7 @@ class BlockWorker:
             version = Version(**record["version"])
             step, block = int(record["step"]), int(record["block"])
             loss = float(record.get("loss", math.nan))  # so a resumed node shows its last loss before its next step
+            since = min(step, int(record.get("since", step)))  # (the step its round started at, if it stopped in one)
         except (KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(f"{self.out}/{self.name}: a malformed record ({exc}); move it away to start this "
                                   f"block from the swarm") from exc
@@ -212,17 +226,46 @@ class BlockWorker:
             state = SharedState.unpack(version, SharedState.pack(params, momentum), self.n_params)
         except (KeyError, ValueError, TypeError) as exc:
             raise CheckpointError(f"{self.out}/{self.name}: {exc}; the file is damaged") from exc
-        self.set_params(state.params)
+        local = tensors.get("local")  # (its own parameters: the steps trained since the state, saved as it stopped)
+        if local is not None and local.shape != state.params.shape:
+            raise CheckpointError(f"{self.out}/{self.name}: its local parameters are {tuple(local.shape)}, not "
+                                  f"{tuple(state.params.shape)}; the file is damaged")
+        self.set_params(state.params if local is None else local)
         load_optimizer_tensors(self.opt, tensors)
-        self.step, self.loss = step, loss
-        log.info("%s resumed from %s: round %d, step %d, loss %.4f, state %s", self.label, self.out,
-                 version.round, step, loss, version.hash[:12])
+        self.step, self.loss, self.saved_step = step, loss, step
+        if since < step:  # mid-round: it trains the rest of it, and its update counts the samples since its start
+            self.round_start, self.left = since, max(0, since + self.avg.every - step) / self.avg.every
+        log.info("%s resumed from %s: round %d, step %d, loss %.4f, state %s%s", self.label, self.out, version.round,
+                 step, loss, version.hash[:12], "" if local is None else f", its own parameters "
+                 f"{state_hash(self.params())[:12]} ({step - since} steps since the round's start)")
         return state
 
     # --- the training loop --------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Train to cfg.train.steps in rounds of `every` local steps, then keep serving the state."""
+        """Train to cfg.train.steps in rounds of `every` local steps, then keep serving the state. When
+        the node stops (SIGINT, SIGTERM: it cancels this), what was trained is saved first."""
+        try:
+            await self._train()
+        except asyncio.CancelledError:
+            await self._save_on_stop()
+            raise
+
+    async def _save_on_stop(self) -> None:
+        """Let the training thread end its current step, then checkpoint the step and the parameters
+        trained since the round's state (`save`): a restart resumes at this very step (unsaved, a node
+        stopped at step 63 resumed at 60). Stopped while averaging, those steps went out as its update
+        and are not kept (`_train`). Nothing is written if nothing was trained since the last
+        checkpoint, or if the step under way failed."""
+        self.stopping = True
+        if self.training is not None and isinstance((await asyncio.gather(self.training, return_exceptions=True))[0],
+                                                    BaseException):
+            return
+        if self.step != self.saved_step and self.step > 0:
+            self.save()
+            log.info("%s stopped at step %d: saved to %s", self.label, self.step, self.out)
+
+    async def _train(self) -> None:
         if self.fresh or self.earlier:  # hear the holders' versions, and sync, before the first step
             for _ in range(int(JOIN_WAIT_S / 0.1)):
                 if self._met_a_peer():
@@ -240,14 +283,19 @@ class BlockWorker:
         t = self.cfg.train
         while self.step < t.steps:
             self._adopt_pending()
-            started = self.step
+            # (resumed in a round: the step it started at, `_resume`)
+            started = self.round_start = self.step if self.round_start is None else self.round_start
             await self._train_round()
             self.not_averaging.clear()
             try:
                 closed = await self.averager.round(self.params() - self.replica.state.params,
                                                    (self.step - started) * t.batch, self._preferred_pending)
+            except asyncio.CancelledError:  # (stopping: its steps went out as its update; none kept, `_save_on_stop`)
+                self.set_params(self.replica.state.params)
+                raise
             finally:
                 self.not_averaging.set()
+            self.round_start = None
             if closed is None:
                 self._adopt_pending()  # this round was on the old state; the progress is rebased
             else:
@@ -287,11 +335,10 @@ class BlockWorker:
         while n > 0:
             n = min(n, self.cfg.train.steps - self.step)
             self.round_end = self.step + n
-            try:
-                await asyncio.to_thread(self._train_steps, n)
-            except asyncio.CancelledError:
-                self.stopping = True  # (the thread goes on until it looks: after its current step, not n)
-                raise
+            # (shielded: when the node stops, the thread ends after its current step, and `_save_on_stop` waits for it)
+            self.training = asyncio.ensure_future(asyncio.to_thread(self._train_steps, n))
+            await asyncio.shield(self.training)
+            self.training = None
             self.round_end = None
             adopted = self._adopt_pending()
             # (stopped before its first step: a round has one at least, and an update samples)
@@ -334,8 +381,11 @@ class BlockWorker:
             self.loss, self.ce = loss, ce
             self.step += 1
 
-    def _preferred_pending(self) -> bool:
-        return self.pending is not None and self.replica.wants(self.pending.version)
+    def _heard(self) -> tuple[set[str], float]:  # (what trusting a version reads: the block's peers there, the time)
+        return peers_of(self.node, self.block), time.monotonic()
+
+    def _preferred_pending(self) -> bool:  # (and trusted: where its values are checked, they were as it came)
+        return self.pending is not None and self.replica.takes(self.pending.version, *self._heard())
 
     async def _closed(self, closed: Closed, steps: int) -> None:
         """After a round of `steps` local steps: the new state, checkpointed, logged, announced; then
@@ -358,10 +408,12 @@ class BlockWorker:
         self.upstream.refresh(self.step)
 
     def _adopt_pending(self) -> bool:
-        """Rebase onto the state fetched meanwhile, if it is still preferred; whether it was."""
+        """Rebase onto the state fetched meanwhile, if it is still preferred and trusted; whether it was."""
         self.upstream.apply()
         state, self.pending = self.pending, None
-        if state is None or not self.replica.wants(state.version):
+        verdict = "none" if state is None else self.replica.vet(state, *self._heard())
+        if verdict is not None:
+            self.pending = state if verdict == UNCONFIRMED else None  # (its holders may yet confirm it: `Replica.vet`)
             return False
         self.set_params(self.replica.adopt(state, self.params()))
         self._keep(state)
@@ -414,14 +466,11 @@ class BlockWorker:
             self._settle_fetch()
 
     def _settle_fetch(self) -> asyncio.Task | None:
-        """If a peer holds a preferred state, fetch it from one of its holders, in the background."""
+        """If a peer holds a preferred state this node may trust, fetch it from a holder, in the background."""
         if self.fetching:
             return None
-        best = None
         in_round = not (self.done or self.fresh)  # (a node yet to train its first step is in no round)
-        for version, _ in self.replica.announced.values():
-            if self.replica.wants(version, in_round) and (best is None or version.preferred_over(best)):
-                best = version
+        best = self.replica.choice(in_round, *self._heard())
         holders = [p for p, (v, _) in self.replica.announced.items() if v == best and p in self.node.conns]
         if best is None or not holders:
             return None
@@ -431,7 +480,7 @@ class BlockWorker:
     async def _fetch(self, holders: list[str]) -> None:
         try:
             got = await fetch_from(self.node, holders, self.block, self.n_params, self.cfg)
-            if got is not None:
+            if got is not None and self.replica.vet(got[1], *self._heard()) in (None, UNCONFIRMED):  # (else refused)
                 _, self.pending = got
                 self.changed.set()
         finally:
@@ -523,15 +572,15 @@ class BlockWorker:
 
     # --- status -------------------------------------------------------------------------------------
 
-    def status(self) -> dict:
+    def status(self) -> TrainingStatus:
         v = self.replica.state.version
         # loss: the w(sigma)-weighted DiffusionBlocks loss it minimises; ce: the plain CE of its last batch
-        return {"block": self.block, "step": self.step, "steps": self.cfg.train.steps, "loss": self.loss, "ce": self.ce,
-                "round": v.round, "version": v.to_wire(), "done": self.done, "served": self.served,
-                "counters": self.replica.counters.as_dict(), "averaging": dict(self.avg.__dict__),
-                "n_blocks": self.cfg.model.n_blocks, "params": self.n_params, "history": self.history,
-                "earlier": self.upstream.status(), "part": "reference" if self.reference else "block",
-                **self.costs()}
+        return TrainingStatus(
+            block=self.block, step=self.step, steps=self.cfg.train.steps, loss=self.loss, ce=self.ce, round=v.round,
+            version=v, done=self.done, served=self.served, counters=RoundCounters(**self.replica.counters.as_dict()),
+            averaging=self.avg, n_blocks=self.cfg.model.n_blocks, params=self.n_params,
+            history=tuple(RoundRecord(**h) for h in self.history), earlier=self.upstream.status(),
+            part="reference" if self.reference else "block", **self.costs())
 
     def costs(self) -> dict:
         """Compute and memory: FLOPs per step (the mean of the first COSTED_STEPS, torch's counter),
@@ -539,7 +588,7 @@ class BlockWorker:
         per_step = self.flops / self.costed if self.costed else 0.0
         frozen = self.earlier.blocks if self.earlier else ()
         return {"flops_per_step": per_step, "train_flops": per_step * self.step, "peak_rss_mb": peak_rss_mb(),
-                "memory_mb": memory_mb(self.module, self.opt, self.saved_bytes, frozen)}
+                "memory_mb": TrainingMemory(**memory_mb(self.module, self.opt, self.saved_bytes, frozen))}
 
     def status_line(self) -> str:
         v = self.replica.state.version

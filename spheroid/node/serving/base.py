@@ -20,6 +20,7 @@ from ...config import RunConfig
 from ...decoding import pick_bytes
 from ...pipeline import Hop, NoRoute, build_route, check_route, serving_range
 from ...progress import QuietLog
+from ...status import ServingStatus
 from ...wire import ProtocolError, messages
 from ..connection import Connection, PeerGone
 from ..node import CLIENTS, Node
@@ -97,10 +98,10 @@ class PipelineServer(ABC):
                              generate=self.on_generate, score=self.on_score)
         node.status_parts["serving"] = self.status
 
-    def status(self) -> dict:
-        return {"blocks": [self.first, self.last], "n_blocks": self.cfg.model.n_blocks, "kind": self.kind,
-                "context": self.cfg.model.context, "model": self.model_id, "sessions": len(self.sessions),
-                "cache_bytes": self.sessions.nbytes, **self.counters}
+    def status(self) -> ServingStatus:
+        return ServingStatus(blocks=(self.first, self.last), n_blocks=self.cfg.model.n_blocks, kind=self.kind,
+                             context=self.cfg.model.context, model=self.model_id, sessions=len(self.sessions),
+                             cache_bytes=self.sessions.nbytes, **self.counters)
 
     # --- routes -------------------------------------------------------------------------------------
 
