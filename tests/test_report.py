@@ -22,7 +22,7 @@ def peers_result() -> dict:
     rows = [{"name": name, "transport": transport, "workers": workers, "ce": ce, "bytes_total": sent * workers,
              "bytes_max_worker": sent, "train_flops": 1.5e14, "train_flops_max_worker": 1.5e14 / workers,
              "peak_rss_mb_max_worker": 700.0, "train_memory_mb_max_worker": memory, "wall_s": wall,
-             "curve": [[0, 5.0], [sent * workers, ce]]}
+             "curve": [[0, 5.0], [sent * workers, ce]], "params": 437120 if name != "blocktrain" else 896896}
             for name, transport, workers, ce, sent, memory, wall in (
                 ("e2e", "local", 1, 2.0512, 0, 120.5, 1800.0), ("diloco", "node", 4, 2.1034, 3 * 2**20, 118.25, 900.0),
                 ("blocktrain", "node", 4, 2.2047, 2**20, 61.0, 700.0))]
@@ -86,11 +86,11 @@ def test_which_method_when_is_rendered_from_peers_json_and_only_when_it_exists(t
     page, top = pages[tmp_path / "results.md"], pages[readme]
     for text in (page, top):
         assert "Which method when" in text
-        # method, CE, MiB sent by the busiest worker and by all, FLOPs, training memory, wall time
-        assert ("| DiLoCo: replicas of the end-to-end model | 4 | 2.1034 | 3.00 | 12.00 | 1.50e+14 | 118.2 | 900 |"
-                in text)
-        assert "| BlockTrain: one worker per block | 4 | 2.2047 | 1.00 | 4.00 | 1.50e+14 | 61.0 | 700 |" in text
-        assert "| end-to-end, one worker | 1 | 2.0512 | 0.00 | 0.00 |" in text
+        # method, CE, parameters, MiB sent by the busiest worker and by all, FLOPs, training memory, wall time
+        assert ("| DiLoCo: replicas of the end-to-end model | 4 | 2.1034 | 0.44M | 3.00 | 12.00 | 1.50e+14 | 118.2 "
+                "| 900 |" in text)
+        assert "| BlockTrain: one worker per block | 4 | 2.2047 | 0.90M | 1.00 | 4.00 | 1.50e+14 | 61.0 | 700 |" in text
+        assert "| end-to-end, one worker | 1 | 2.0512 | 0.44M | 0.00 | 0.00 |" in text
     assert "commit `0123456789`" in page and "H = 50, outer learning rate 0.7, int4" in page
     assert "| 25 | 0.7 | int4 | 2.1101 | 24.00 |" in page  # the grid, sorted
     assert "largest model shape" not in page  # no projection in the file: nothing rendered for it
