@@ -149,10 +149,14 @@ def jobs(preset: str) -> list[Job]:
     ]
 
 
-def run_config(preset: str, scale: str, model: dict | None = None, train: dict | None = None) -> RunConfig:
+def run_config(preset: str, scale: str, model: dict | None = None, train: dict | None = None,
+               seed: int = 0) -> RunConfig:
+    """A job's configuration; `seed` (the training seed: batches, noise, initialisation) repeats a
+    screen on other draws, so that a difference can be told from seed noise."""
     p, s = PRESETS[preset], PRESETS[preset][scale]
     m = {**p["model"], "layers_per_block": 1, "n_blocks": s["n_blocks"], **(model or {})}
-    t = {"batch": p["batch"], "lr": p["lr"], "steps": s["steps"], "warmup": s["warmup"], **(train or {})}
+    t = {"batch": p["batch"], "lr": p["lr"], "steps": s["steps"], "warmup": s["warmup"], "seed": seed,
+         **(train or {})}
     return RunConfig(model=ModelConfig(**m), noise=NoiseConfig(), train=TrainConfig(**t))
 
 
@@ -168,6 +172,7 @@ class Context:
     valid: torch.Tensor
     emit: Callable[[dict], None]
     log_every: int
+    seed: int = 0
 
 
 def fit_record(r: FitResult, steps: int) -> dict:
@@ -178,7 +183,7 @@ def fit_record(r: FitResult, steps: int) -> dict:
 def run_refs(job: Job, ctx: Context) -> dict:
     result: dict = {}
     for depth in job.depths:
-        cfg = run_config(ctx.preset, job.scale, {"n_blocks": depth})
+        cfg = run_config(ctx.preset, job.scale, {"n_blocks": depth}, seed=ctx.seed)
         folder = ctx.work / f"reference-{depth}"
         r = train_reference(cfg, ctx.data, folder, ctx.device, log_every=ctx.log_every)
         result[str(depth)] = {"ce": evaluate_reference(folder, ctx.valid, ctx.device), "depth": depth,
@@ -200,7 +205,7 @@ def chain_record(cfg: RunConfig, fits: list[FitResult], chain, alone: float, ext
 
 def run_chain(job: Job, ctx: Context) -> dict:
     """The blocks trained in order by the library's own trainer (`spheroid train --block b`)."""
-    cfg = run_config(ctx.preset, job.scale, job.model, job.train)
+    cfg = run_config(ctx.preset, job.scale, job.model, job.train, ctx.seed)
     fits = []
     for b in range(cfg.model.n_blocks):
         fits.append(train_block(cfg, b, ctx.data, ctx.work, ctx.device, log_every=ctx.log_every))
@@ -222,7 +227,7 @@ def run_cached(job: Job, ctx: Context) -> dict:
     earlier blocks: one forward pass of the block just trained over the batches extends the cache.
     Every block sees the same batches in the same order (as `fit` draws them, from one seed), each
     with one starting noise (shared by the blocks instead of drawn afresh for each)."""
-    cfg = run_config(ctx.preset, job.scale, job.model, job.train)
+    cfg = run_config(ctx.preset, job.scale, job.model, job.train, ctx.seed)
     t, n, length, d = cfg.train, cfg.model.n_blocks, cfg.model.context, cfg.model.d_model
     device = ctx.device
     if cfg.noise.steps_per_block != 1 or cfg.train.block_input != "chain" or cfg.model.channel != "relay":
@@ -392,7 +397,7 @@ def greedy_loss(stack: list[DiffusionBlock], b: int):
 
 def run_greedy(job: Job, ctx: Context) -> dict:
     """(a) greedy plain, then (b) the same stack fine-tuned end to end."""
-    cfg = run_config(ctx.preset, job.scale, job.model, job.train)
+    cfg = run_config(ctx.preset, job.scale, job.model, job.train, ctx.seed)
     stack = clean_stack(cfg, ctx.device)
     fits = []
     for b, block in enumerate(stack):
@@ -488,7 +493,7 @@ def score_on_streams(blocks: list[DiffusionBlock], stack: list[DiffusionBlock], 
 def run_e2e(job: Job, ctx: Context) -> dict:
     """The stack trained end to end from scratch; then (c) the chain, and (c0) one query stream, on
     its frozen clean streams (each block starting from the stack's block of the same index)."""
-    cfg = run_config(ctx.preset, job.scale, job.model, job.train)
+    cfg = run_config(ctx.preset, job.scale, job.model, job.train, ctx.seed)
     n, steps = cfg.model.n_blocks, cfg.train.steps
     stack = clean_stack(cfg, ctx.device)
     r = fit(torch.nn.ModuleList(stack), stack_loss(stack), cfg, ctx.data, "e2e-stack", ctx.work,
@@ -535,7 +540,7 @@ RUNNERS = {"refs": run_refs, "chain": run_chain, "cached": run_cached, "greedy":
 
 
 def run_job(name: str, preset: str, device: torch.device, work: Path, data_dir: str | None, result_path: Path,
-            log_every: int) -> None:
+            log_every: int, seed: int = 0) -> None:
     job = {j.name: j for j in jobs(preset)}[name]
     started = time.monotonic()
 
@@ -546,7 +551,7 @@ def run_job(name: str, preset: str, device: torch.device, work: Path, data_dir: 
 
     p = PRESETS[preset]
     valid = fixed_windows(load_bytes(data_dir, "valid"), p["eval_windows"], p["model"]["context"] + 1)
-    ctx = Context(preset, device, work, load_bytes(data_dir, "train"), valid, emit, log_every)
+    ctx = Context(preset, device, work, load_bytes(data_dir, "train"), valid, emit, log_every, seed)
     emit({})
     emit(RUNNERS[job.kind](job, ctx), "done")
 
@@ -640,7 +645,7 @@ def drive(args: argparse.Namespace) -> dict:
     if os.environ.get("DEPTH_COMMIT"):  # a copy of the tree (the device machine's) whose own git may be stale
         info.update(device_reported_commit=info["commit"], commit=os.environ["DEPTH_COMMIT"],
                     dirty=os.environ.get("DEPTH_DIRTY") == "1")
-    record: dict = {"preset": args.preset, "settings": PRESETS[args.preset], "draws_m8": DRAWS,
+    record: dict = {"preset": args.preset, "settings": PRESETS[args.preset], "seed": args.seed, "draws_m8": DRAWS,
                     "device": str(device), "torch": torch.__version__,
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                     "jobs_at_once": args.jobs, "provenance": info}
@@ -672,7 +677,7 @@ def drive(args: argparse.Namespace) -> dict:
                 folder.mkdir(parents=True, exist_ok=True)
                 cmd = [sys.executable, __file__, "--job", job.name, "--preset", args.preset, "--device", str(device),
                        "--work", str(folder), "--result", str(work / f"{job.name}.result.json"),
-                       "--log-every", str(args.log_every)]
+                       "--log-every", str(args.log_every), "--seed", str(args.seed)]
                 if args.data:
                     cmd += ["--data", args.data]
                 logf = open(work / "logs" / f"{job.name}.log", "w")  # noqa: SIM115 (closed when it ends)
@@ -740,13 +745,14 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--deadline-kill", type=float, default=0, help="kill running jobs after this many seconds")
     ap.add_argument("--logs-out", default=None, help="also write the tail of every job's log here")
     ap.add_argument("--log-every", type=int, default=250)
+    ap.add_argument("--seed", type=int, default=0, help="training seed of every job (repeat a screen on other draws)")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
     if args.job:
         run_job(args.job, args.preset, pick_device(args.device), Path(args.work), args.data, Path(args.result),
-                args.log_every)
+                args.log_every, args.seed)
         return None
     args.out = args.out or str(ROOT / "runs" / f"depth-screens-{args.preset}.json")
     args.work = args.work or str(ROOT / "runs" / f"depth-{args.preset}")
