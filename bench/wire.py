@@ -38,9 +38,10 @@ from spheroid.node.client import connect
 from spheroid.train import block_loss, make_optimizer, train_step
 from spheroid.wire import decode_tensor, encode_tensor
 from spheroid.wire.messages import Probe
+from spheroid.wire.tensors import COMPRESSIONS, TENSOR_CODECS
 
 log = logging.getLogger("bench.wire")
-CODECS = [(c, z) for c in ("raw", "fp16", "bf16", "int8", "int4", "int2") for z in ("none", "lz4")]
+CODECS = [(c, z) for c in TENSOR_CODECS for z in COMPRESSIONS]  # every registered codec, each way
 
 
 def free_port() -> int:
@@ -171,7 +172,9 @@ def throughput(tensor: torch.Tensor, repeats: int) -> list[dict]:
 
 
 def real_weights(data_dir: str | None, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A block's flattened weights after a short training run, and its change over the last steps."""
+    """A block's flattened weights after a short training run, and its change over the last (up to 10) steps."""
+    if steps < 1:
+        raise ValueError(f"--train-steps must be at least 1, got {steps}")
     cfg = RunConfig(model=ModelConfig(d_model=128, n_heads=4, layers_per_block=2, context=128),
                     train=TrainConfig(steps=steps, batch=16, warmup=10))
     torch.manual_seed(0)
@@ -181,7 +184,7 @@ def real_weights(data_dir: str | None, steps: int) -> tuple[torch.Tensor, torch.
     data = load_bytes(data_dir, "train")
     before = None
     for step in range(steps):
-        if step == steps - 10:
+        if step == max(0, steps - 10):
             before = torch.nn.utils.parameters_to_vector(block.parameters()).detach().clone()
         train_step(block, loss, opt, random_windows(data, cfg.train.batch, cfg.model.context + 1, gen), gen, 1.0)
     after = torch.nn.utils.parameters_to_vector(block.parameters()).detach().clone()

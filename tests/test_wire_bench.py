@@ -7,7 +7,7 @@ from .conftest import run_bench
 
 def test_wire_bench_small_run(tmp_path, data_dir):
     out = tmp_path / "wire.json"
-    proc = run_bench("wire.py", "--mib", "4", "--repeats", "1", "--train-steps", "12", "--data", str(data_dir),
+    proc = run_bench("wire.py", "--mib", "4", "--repeats", "1", "--train-steps", "3", "--data", str(data_dir),
                      "--out", str(out), timeout=300)
     result = json.loads(out.read_text())
     moved = result["transfer"]
